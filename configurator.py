@@ -1,0 +1,55 @@
+"""
+nanoGPT-style configuration: a script's module-level values are its config, overridden by
+preset files and --key=value arguments, in the order given:
+
+    python train.py config/tiny.py --router=seqtopk --top_k=4
+
+apply_overrides(globals(), sys.argv[1:]) returns the set of keys that were overridden.
+"""
+import os
+from ast import literal_eval
+
+
+def _parse(key, raw, default):
+    try:
+        value = literal_eval(raw)
+    except (ValueError, SyntaxError):
+        value = raw  # a bare word such as --router=seqtopk is a string
+    if isinstance(default, bool) or isinstance(value, bool):
+        if not isinstance(value, bool) or not isinstance(default, bool):
+            raise SystemExit(f"error: --{key} takes True or False, got '{raw}'")
+    elif isinstance(default, float) and isinstance(value, int):
+        value = float(value)
+    elif default is not None and type(value) is not type(default):
+        raise SystemExit(f"error: --{key} expects a value of type {type(default).__name__}, got '{raw}'")
+    return value
+
+
+def apply_overrides(config, args):
+    """Apply preset files and --key=value pairs to the dict `config` (a script's globals())."""
+    known = {k for k, v in config.items()
+             if not k.startswith('_') and isinstance(v, (int, float, bool, str, type(None)))}
+    overridden = set()
+    for arg in args:
+        if not arg.startswith('--'):
+            if not os.path.isfile(arg):
+                raise SystemExit(f"error: preset file '{arg}' not found (settings are --key=value)")
+            preset = {}
+            with open(arg) as f:
+                exec(f.read(), {}, preset)
+            for key, value in preset.items():
+                if key.startswith('_'):
+                    continue
+                if key not in known:
+                    raise SystemExit(f"error: unknown setting '{key}' in {arg}")
+                config[key] = _parse(key, repr(value), config[key])
+                overridden.add(key)
+            continue
+        key, sep, raw = arg[2:].partition('=')
+        if not sep:
+            raise SystemExit(f"error: write settings as --{key}=value")
+        if key not in known:
+            raise SystemExit(f"error: unknown setting --{key}; the settings are the values at the top of the script")
+        config[key] = _parse(key, raw, config[key])
+        overridden.add(key)
+    return overridden

