@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
-from router import route, routing_weights, seqtopk_bounds, ROUTERS
+from router import Router, check_router
 
 
 @dataclass
@@ -34,20 +34,37 @@ class GPTConfig:
     norm_topk_prob: bool = False  # renormalise the selected gate values to sum to 1 per token
     aux_loss_weight: float = 0.01  # Switch load-balance loss
     z_loss_weight: float = 0.001   # router z-loss
+    threshold_decay: float = 0.99  # batchtopk: EMA decay of the evaluation threshold
+    relu_l1_init: float = 1e-8     # relu: initial L1 coefficient lambda_0 (ReMoE default)
+    relu_l1_step: float = 1.2      # relu: lambda's multiplicative step alpha (ReMoE default)
     moe_impl: str = 'grouped'  # 'grouped' (one torch._grouped_mm) or 'loop' (a matmul per expert)
+    seq_causal: bool = False   # seqtopk: route every position by the online rule (as in decoding)
+    seq_budget: str = 'plain'  # online seqtopk: 'plain' (the paper) or 'strict' (no prefix overspends)
 
     def validate(self):
         """Raise ValueError with a one-line, actionable message for an impossible config."""
-        if self.router not in ROUTERS:
-            raise ValueError(f"unknown router '{self.router}': choose one of {', '.join(ROUTERS)}")
-        if self.router == 'seqtopk':
-            seqtopk_bounds(self.top_k, self.n_exp, self.seq_min_k, self.seq_max_k or None)
-        elif not 1 <= self.top_k <= self.n_exp:
-            raise ValueError(f"top_k={self.top_k} must be between 1 and n_exp={self.n_exp}")
+        check_router(self.router, self.top_k, self.n_exp, self.seq_min_k, self.seq_max_k or None)
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
+        if self.seq_budget not in ('plain', 'strict'):
+            raise ValueError(f"seq_budget must be 'plain' or 'strict', got '{self.seq_budget}'")
         if self.moe_impl not in ('grouped', 'loop'):
             raise ValueError(f"moe_impl must be 'grouped' or 'loop', got '{self.moe_impl}'")
+
+
+class Cache:
+    """What one generation carries from step to step, per layer: the attention keys and values
+    (KV cache) and, for the MoE layers, every token's router scores ranked (the Expert Cache) and
+    the experts spent so far. Passed through forward(); the model itself holds no decoding state."""
+
+    def __init__(self, n_layer):
+        self.pos = 0  # tokens seen so far
+        self.layers = [dict() for _ in range(n_layer)]
+
+    def nbytes(self, kind):
+        """Bytes held by the KV cache ('kv') or by the Expert Cache ('expert')."""
+        keys = ('k', 'v') if kind == 'kv' else ('ranked', 'spent')
+        return sum(layer[k].numel() * layer[k].element_size() for layer in self.layers for k in keys if k in layer)
 
 
 class CausalSelfAttention(nn.Module):
@@ -60,12 +77,22 @@ class CausalSelfAttention(nn.Module):
         self.n_head = config.n_head
         self.dropout = config.dropout
 
-    def forward(self, x):
+    def forward(self, x, cache=None):
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=2)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0,
-                                           is_causal=True)
+        past = 0
+        if cache is not None:  # KV cache: attend to every earlier token's keys and values too
+            if 'k' in cache:
+                past = cache['k'].shape[2]
+                k, v = torch.cat([cache['k'], k], dim=2), torch.cat([cache['v'], v], dim=2)
+            cache['k'], cache['v'] = k, v
+        dropout_p = self.dropout if self.training else 0
+        if past == 0:
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+        else:  # query i sits at position past + i
+            allowed = torch.arange(past + T, device=x.device) <= past + torch.arange(T, device=x.device)[:, None]
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=dropout_p)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_dropout(self.c_proj(y))
 
@@ -85,13 +112,15 @@ class MLP(nn.Module):
 
 def grouped_matmul(x, w, counts, impl='grouped'):
     """Rows of x grouped by expert (counts[e] rows for expert e, in order) times w[e]: (M, C) -> (M, H)."""
-    grouped_ok = x.device.type == 'cpu' or x.dtype == torch.bfloat16  # the CUDA kernel is bf16-only
-    if impl == 'grouped' and grouped_ok and hasattr(torch, '_grouped_mm'):
-        return torch._grouped_mm(x, w, offs=counts.cumsum(0).to(torch.int32))
+    grouped_ok = (hasattr(torch, '_grouped_mm') and (x.device.type == 'cpu' or x.dtype == torch.bfloat16)
+                  and x.shape[1] * x.element_size() % 16 == 0 and w.shape[2] * x.element_size() % 16 == 0)
+    if impl == 'grouped' and grouped_ok:  # the kernel needs 16-byte rows; on CUDA it is bf16-only
+        return torch._grouped_mm(x, w.to(x.dtype), offs=counts.cumsum(0).to(torch.int32))
     # fallback: one matmul per expert (a loop over experts, never over tokens)
-    return torch.cat([xe @ we for xe, we in zip(x.split(counts.tolist()), w)])
+    return torch.cat([xe @ we.to(x.dtype) for xe, we in zip(x.split(counts.tolist()), w)])
 
 
+@torch.compiler.disable  # data-dependent group sizes: under torch.compile this one step runs eagerly
 def dispatch(x, mask, weights, w_fc, w_proj, impl='grouped'):
     """The one path from any routing mask to expert outputs.
 
@@ -99,10 +128,12 @@ def dispatch(x, mask, weights, w_fc, w_proj, impl='grouped'):
     w_fc: (N, C, H), w_proj: (N, H, C). Returns sum_i weights[:, i] * expert_i(x) of shape (M, C).
     """
     expert_idx, token_idx = mask.t().nonzero(as_tuple=True)  # sorted by expert: one group each
+    if token_idx.numel() == 0:  # e.g. relu with every gate closed: the loop takes empty groups and
+        impl = 'loop'           # still puts every expert in the graph (zero gradients; DDP needs them)
     counts = mask.sum(dim=0)
-    h = F.gelu(grouped_matmul(x[token_idx], w_fc, counts, impl))
-    y = grouped_matmul(h, w_proj, counts, impl)
-    y = y * weights[token_idx, expert_idx].unsqueeze(-1)
+    gate = weights.reshape(-1).index_select(0, token_idx * mask.shape[1] + expert_idx)
+    h = F.gelu(grouped_matmul(x.index_select(0, token_idx), w_fc, counts, impl))
+    y = grouped_matmul(h * gate.unsqueeze(-1), w_proj, counts, impl)  # scale the narrower h, not y
     return torch.zeros_like(x).index_add_(0, token_idx, y)
 
 
@@ -112,27 +143,17 @@ class MoE(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.config = config
-        self.router = nn.Linear(config.n_embd, config.n_exp, bias=False)
+        self.router = Router(config)
         self.w_fc = nn.Parameter(torch.empty(config.n_exp, config.n_embd, config.exp_dim))
         self.w_proj = nn.Parameter(torch.empty(config.n_exp, config.exp_dim, config.n_embd))
         self.dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x):
-        cfg = self.config
+    def forward(self, x, cache=None, causal=False):
         B, T, C = x.shape
-        # Router in fp32 even under autocast: ranking near-tied scores must not depend on bf16 rounding.
-        with torch.autocast(device_type=x.device.type, enabled=False):
-            logits = F.linear(x.float(), self.router.weight.float())  # (B, T, N)
-        scores = logits.softmax(dim=-1)
-        mask = route(scores, cfg.router, cfg.top_k, cfg.seq_min_k, cfg.seq_max_k or None)
-        weights = routing_weights(scores, mask, cfg.norm_topk_prob).to(x.dtype)
-        y = dispatch(x.view(-1, C), mask.view(-1, cfg.n_exp), weights.view(-1, cfg.n_exp),
-                     self.w_fc, self.w_proj, cfg.moe_impl)
-        # Switch load balance: N * sum_e (share of assignments to e) * (mean score of e).
-        load = mask.view(-1, cfg.n_exp).sum(0).float()
-        balance = cfg.n_exp * (load / load.sum() * scores.view(-1, cfg.n_exp).mean(0)).sum()
-        z_loss = logits.logsumexp(dim=-1).square().mean()  # keeps router logits small (ST-MoE)
-        aux_loss = cfg.aux_loss_weight * balance + cfg.z_loss_weight * z_loss
+        N = self.config.n_exp
+        mask, weights, scores, aux_loss = self.router(x, cache, causal)
+        y = dispatch(x.view(-1, C), mask.view(-1, N), weights.view(-1, N).to(x.dtype),
+                     self.w_fc, self.w_proj, self.config.moe_impl)
         return self.dropout(y.view(B, T, C)), aux_loss, (mask, scores)
 
 
@@ -145,10 +166,10 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.ffn = MoE(config) if moe else MLP(config)
 
-    def forward(self, x):
-        x = x + self.attn(self.ln_1(x))
+    def forward(self, x, cache=None, causal=False):
+        x = x + self.attn(self.ln_1(x), cache)
         if isinstance(self.ffn, MoE):
-            y, aux_loss, routing = self.ffn(self.ln_2(x))
+            y, aux_loss, routing = self.ffn(self.ln_2(x), cache, causal)
             return x + y, aux_loss, routing
         return x + self.ffn(self.ln_2(x)), 0.0, None
 
@@ -194,20 +215,26 @@ class GPT(nn.Module):
             n -= n_moe * (cfg.n_exp - cfg.top_k) * 2 * cfg.n_embd * cfg.exp_dim
         return n
 
-    def forward(self, idx, targets=None):
+    def forward(self, idx, targets=None, cache=None, causal=None):
         """Returns logits, the cross-entropy (None without targets) and aux, a dict holding the
-        weighted auxiliary loss and each MoE layer's routing (mask, scores) for statistics."""
+        weighted auxiliary loss and each MoE layer's routing (mask, scores) for statistics.
+        cache: a Cache to decode with (idx are then the tokens after cache.pos); causal: route
+        seqtopk by the online rule (default: config.seq_causal; always, when decoding)."""
         B, T = idx.shape
-        if T > self.config.block_size:
-            raise ValueError(f"sequence of length {T} is longer than block_size={self.config.block_size}")
-        pos = torch.arange(T, dtype=torch.long, device=idx.device)
+        start = 0 if cache is None else cache.pos
+        if start + T > self.config.block_size:
+            raise ValueError(f"sequence of length {start + T} is longer than block_size={self.config.block_size}")
+        causal = (cache is not None or self.config.seq_causal) if causal is None else causal
+        pos = torch.arange(start, start + T, dtype=torch.long, device=idx.device)
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
         aux_loss, routing = 0.0, []
-        for block in self.transformer.h:
-            x, layer_aux, layer_routing = block(x)
+        for i, block in enumerate(self.transformer.h):
+            x, layer_aux, layer_routing = block(x, None if cache is None else cache.layers[i], causal)
             aux_loss = aux_loss + layer_aux
             if layer_routing is not None:
                 routing.append(layer_routing)
+        if cache is not None:
+            cache.pos += T
         x = self.transformer.ln_f(x)
         if targets is None:
             return self.lm_head(x[:, [-1], :]), None, dict(aux_loss=aux_loss, routing=routing)
@@ -225,11 +252,34 @@ class GPT(nn.Module):
         return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=fused)
 
     @torch.no_grad()
-    def generate(self, idx, max_new_tokens, temperature=1.0, sample_top_k=None):
-        """Sample max_new_tokens after idx (B, T). Recomputes the (cropped) context every step."""
-        for _ in range(max_new_tokens):
-            idx_cond = idx[:, -self.config.block_size:]
-            logits, _, _ = self(idx_cond)
+    def generate(self, idx, max_new_tokens, temperature=1.0, sample_top_k=None, use_cache=True,
+                 prompt_routing='online', on_step=None):
+        """Sample max_new_tokens after idx (B, T).
+
+        use_cache: decode with a Cache (KV + Expert Cache), else recompute the whole context every
+        step. Either way seqtopk routes each new token by the online rule, so both agree exactly.
+        prompt_routing: 'online' routes the prompt token by token with the same rule (generation
+        and causal evaluation agree); 'joint' routes it as one sequence (offline SeqTopK), as the
+        paper's code does. on_step(routing) sees each step's routing, e.g. to count experts.
+        Past block_size tokens, the uncached path crops the context; the cached one restarts its
+        cache from the last block_size // 2 tokens."""
+        if prompt_routing not in ('online', 'joint'):
+            raise ValueError(f"prompt_routing must be 'online' or 'joint', got '{prompt_routing}'")
+        if prompt_routing == 'joint' and not use_cache:
+            raise ValueError("prompt_routing='joint' needs use_cache=True: recomputing would re-route the prompt")
+        cache = None
+        for step in range(max_new_tokens):
+            if not use_cache:
+                logits, _, aux = self(idx[:, -self.config.block_size:], causal=True)
+            else:
+                if cache is None or cache.pos == self.config.block_size:
+                    cache = Cache(self.config.n_layer)
+                    context = idx[:, -(self.config.block_size // 2):] if step > 0 else idx
+                    logits, _, aux = self(context, cache=cache, causal=(prompt_routing == 'online' or step > 0))
+                else:
+                    logits, _, aux = self(idx[:, -1:], cache=cache, causal=True)
+            if on_step is not None:
+                on_step(aux['routing'])
             logits = logits[:, -1, :]
             if temperature <= 0:  # greedy
                 idx_next = logits.argmax(dim=-1, keepdim=True)

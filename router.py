@@ -5,14 +5,20 @@ Every router maps router scores of shape (B, T, N) -- B sequences, T tokens, N e
 scores = softmax of the router logits -- to a bool mask of the same shape: mask[b, t, i] is
 True when token t of sequence b is sent to expert i. The model turns any mask into expert
 outputs through one dispatch path (model.py), so a new router is just a new function here.
+
+The Router module at the bottom owns the gate (a linear layer, run in fp32) and the little state
+two routers need (batchtopk's threshold, relu's L1 coefficient), kept as buffers so it travels in
+checkpoints. The selection itself is always one of the pure functions above it.
 """
 import torch
+import torch.nn as nn
+from torch.nn import functional as F
 
-ROUTERS = ('topk', 'seqtopk')
+ROUTERS = ('topk', 'seqtopk', 'batchtopk', 'relu')
 
 
 def topk_mask(scores, k):
-    # Eq. (1), TopK routing: each token takes its own k highest-scoring experts.
+    # Eq. (3), TopK routing: each token takes its own k highest-scoring experts.
     idx = scores.topk(k, dim=-1).indices
     return torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, idx, True)
 
@@ -30,7 +36,7 @@ def seqtopk_bounds(k, n_exp, min_k=1, max_k=None):
 
 
 def seqtopk_mask(scores, k, min_k=1, max_k=None):
-    # Eq. (3), SeqTopK routing: the top T*k entries of each sequence's T x N score matrix,
+    # Eq. (5), SeqTopK routing: the top T*k entries of each sequence's T x N score matrix,
     # with every token taking between min_k and max_k experts (paper default: 1 and k+2).
     B, T, N = scores.shape
     min_k, max_k = seqtopk_bounds(k, N, min_k, max_k)
@@ -48,13 +54,62 @@ def seqtopk_mask(scores, k, min_k=1, max_k=None):
     return torch.zeros_like(chosen).scatter_(-1, order, chosen)  # (token, rank) -> (token, expert)
 
 
-def route(scores, router, k, min_k=1, max_k=None):
-    """Dispatch by router name: the one place the model asks for a mask."""
-    if router == 'topk':
-        return topk_mask(scores, k)
-    if router == 'seqtopk':
-        return seqtopk_mask(scores, k, min_k, max_k)
-    raise ValueError(f"unknown router '{router}': choose one of {', '.join(ROUTERS)}")
+def online_seqtopk_mask(scores, k, min_k=1, max_k=None, past=None, spent=None, strict=False):
+    # Eq. (7), online SeqTopK: token m takes expert i when (m, i) is among the top m*k entries of the
+    # m x N score matrix of tokens 1..m (the Expert Cache, Eq. 6), within the per-token bounds.
+    """scores: (B, T, N), the newest T tokens; past: (B, P, N) earlier tokens' scores, each row sorted
+    descending (the Expert Cache; None = no earlier tokens); spent: (B,) experts those P tokens took.
+    Every new token is routed by the rule above over itself and all tokens before it, so one call
+    on a whole sequence (teacher forcing) routes each position exactly as decoding step by step.
+    strict=True caps each token at m*k minus what tokens 1..m-1 spent, so no prefix overspends.
+    Returns the mask (B, T, N), the new rows sorted (to append to the cache) and the new spent."""
+    B, T, N = scores.shape
+    min_k, max_k = seqtopk_bounds(k, N, min_k, max_k)
+    P = 0 if past is None else past.shape[1]
+    spent = torch.zeros(B, dtype=torch.long, device=scores.device) if spent is None else spent
+    ranked, order = scores.sort(dim=-1, descending=True, stable=True)
+    candidates = ranked[..., min_k:max_k]  # (B, T, R): the entries a token competes for
+    prefix = candidates if past is None else torch.cat([past[..., min_k:max_k], candidates], dim=1)
+    position = torch.arange(P + 1, P + T + 1, device=scores.device)  # m, 1-based
+    # A candidate of token m is taken iff fewer than m*(k - min_k) prefix candidates precede it:
+    # those of earlier tokens scoring >= it (earlier tokens win ties, as in seqtopk_mask) and the
+    # token's own better-ranked ones. Rows are compared in chunks to bound memory.
+    rank_in_token = torch.arange(max_k - min_k, device=scores.device)
+    extra = torch.empty(B, T, dtype=torch.long, device=scores.device)
+    chunk = max(1, 2 ** 24 // max(1, B * (P + T) * (max_k - min_k) ** 2))
+    for t0 in range(0, T, chunk):
+        new = candidates[:, t0:t0 + chunk]                                  # (B, c, R)
+        earlier = (torch.arange(P + T, device=scores.device) < position[t0:t0 + chunk, None] - 1)
+        beaten_by = (prefix[:, None, None, :, :] >= new[..., None, None])    # (B, c, R, P+T, R)
+        beaten_by = (beaten_by & earlier[None, :, None, :, None]).sum(dim=(-1, -2)) + rank_in_token
+        extra[:, t0:t0 + chunk] = (beaten_by < position[t0:t0 + chunk, None] * (k - min_k)).sum(-1)
+    counts = extra + min_k
+    if strict:  # spent_m = min(spent_{m-1} + count_m, m*k), in closed form: a cumulative min
+        total = counts.cumsum(dim=1)
+        slack = torch.cat([spent[:, None], position * k - total], dim=1).cummin(dim=1).values
+        capped = total + slack[:, 1:]
+        counts = capped - torch.cat([spent[:, None], capped[:, :-1]], dim=1)
+    chosen = torch.arange(N, device=scores.device) < counts[..., None]    # (token, rank)
+    mask = torch.zeros_like(chosen).scatter_(-1, order, chosen)
+    return mask, ranked, spent + counts.sum(dim=1)
+
+
+def batchtopk_mask(scores, k):
+    # BatchTopK (Bussmann et al.), training: the top B*T*k entries of the whole batch's scores.
+    B, T, N = scores.shape
+    flat = scores.reshape(-1)
+    pick = flat.sort(descending=True, stable=True).indices[:B * T * k]
+    return torch.zeros_like(flat, dtype=torch.bool).scatter_(0, pick, True).view(B, T, N)
+
+
+def threshold_mask(scores, threshold):
+    # BatchTopK, evaluation: every score above the threshold learnt in training (batch-independent).
+    return scores > threshold
+
+
+def relu_gates(logits):
+    # ReMoE: gates = ReLU(router logits); an expert is active wherever its gate is positive.
+    return F.relu(logits)
 
 
 def routing_weights(scores, mask, renormalize=False):
@@ -63,3 +118,110 @@ def routing_weights(scores, mask, renormalize=False):
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True).clamp_min(1e-9)
     return weights
+
+
+def check_router(router, k, n_exp, min_k=1, max_k=None):
+    """ValueError with a one-line, actionable message for a router setting that cannot work."""
+    if router not in ROUTERS:
+        raise ValueError(f"unknown router '{router}': choose one of {', '.join(ROUTERS)}")
+    if router == 'seqtopk':
+        seqtopk_bounds(k, n_exp, min_k, max_k)
+    elif not 1 <= k <= n_exp:
+        raise ValueError(f"top_k={k} must be between 1 and n_exp={n_exp}")
+
+
+class Router(nn.Module):
+    """Token features (B, T, C) -> mask (B, T, N), gate weights (B, T, N), scores, auxiliary loss.
+
+    config fields used: n_embd, n_exp, router, top_k, seq_min_k, seq_max_k (0 = top_k + 2), seq_budget,
+    norm_topk_prob, aux_loss_weight, z_loss_weight, threshold_decay, relu_l1_init, relu_l1_step.
+    """
+
+    def __init__(self, config):
+        super().__init__()
+        check_router(config.router, config.top_k, config.n_exp, config.seq_min_k, config.seq_max_k or None)
+        self.config = config
+        self.gate = nn.Linear(config.n_embd, config.n_exp, bias=False)
+        # batchtopk: EMA of the smallest selected score in training; 0 = not yet seen a batch
+        self.register_buffer('threshold', torch.zeros(()))
+        # relu: L1 coefficient lambda, adapted every training step toward sparsity 1 - k/N
+        self.register_buffer('l1_coef', torch.tensor(float(config.relu_l1_init)))
+        self.register_buffer('active_frac', torch.tensor(config.top_k / config.n_exp))
+
+    def select(self, scores, cache=None, causal=False):
+        cfg = self.config
+        if cfg.router == 'topk':
+            return topk_mask(scores, cfg.top_k)
+        if cfg.router == 'seqtopk':
+            bounds = (cfg.top_k, cfg.seq_min_k, cfg.seq_max_k or None)
+            if cache is None and not causal:
+                return seqtopk_mask(scores, *bounds)
+            past, spent = (None, None) if cache is None else (cache.get('ranked'), cache.get('spent'))
+            if causal:  # online SeqTopK: each token against the tokens before it
+                mask, ranked, spent = online_seqtopk_mask(scores, *bounds, past, spent,
+                                                          strict=cfg.seq_budget == 'strict')
+            else:  # a prompt routed jointly (offline SeqTopK), then cached for decoding
+                mask = seqtopk_mask(scores, *bounds)
+                ranked = scores.sort(dim=-1, descending=True, stable=True).values
+                spent = mask.sum(dim=(1, 2)) + (0 if spent is None else spent)
+            if cache is not None:  # the Expert Cache: every token's ranked scores, and experts spent
+                cache['ranked'] = ranked if past is None else torch.cat([past, ranked], dim=1)
+                cache['spent'] = spent
+            return mask
+        # batchtopk
+        if not self.training:  # batchtopk at evaluation and generation
+            return threshold_mask(scores, self.threshold)
+        mask = batchtopk_mask(scores, cfg.top_k)
+        with torch.no_grad():
+            smallest = scores.masked_fill(~mask, float('inf')).min()
+            decay = torch.where(self.threshold > 0, cfg.threshold_decay, 0.0)
+            self.threshold.copy_(decay * self.threshold + (1 - decay) * smallest)
+        return mask
+
+    def forward(self, x, cache=None, causal=False):
+        """cache: this layer's dict in a generation's Cache (decoding); causal: route seqtopk by the
+        online rule (each token against the tokens before it) rather than the whole sequence."""
+        cfg = self.config
+        # fp32 even under autocast: ranking near-tied scores must not depend on bf16 rounding
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            logits = F.linear(x.float(), self.gate.weight.float())
+        scores = logits.softmax(dim=-1)
+        if cfg.router == 'relu':
+            weights = relu_gates(logits)
+            mask = weights > 0
+            # ReMoE's L1 penalty (no z-loss: pulling logits down would close every ReLU gate)
+            aux_loss = self.l1_coef.clone() * weights.sum(dim=-1).mean()
+            if self.training:
+                with torch.no_grad():  # lambda *= alpha when too dense, /= alpha when too sparse
+                    self.active_frac.copy_(mask.float().mean())
+                    too_dense = self.active_frac > cfg.top_k / cfg.n_exp
+                    step = torch.where(too_dense, cfg.relu_l1_step, 1 / cfg.relu_l1_step)
+                    self.l1_coef.mul_(step).clamp_(1e-12, 1e3)
+        else:
+            mask = self.select(scores, cache, causal)
+            weights = routing_weights(scores, mask, cfg.norm_topk_prob)
+            aux_loss = cfg.z_loss_weight * logits.logsumexp(dim=-1).square().mean()  # router z-loss
+        # Switch load balance: N * sum_e (share of assignments to e) * (mean score of e)
+        load = mask.flatten(0, 1).sum(0).float()
+        mean_score = scores.flatten(0, 1).mean(0)
+        aux_loss = aux_loss + cfg.aux_loss_weight * cfg.n_exp * (load / load.sum().clamp_min(1) * mean_score).sum()
+        return mask, weights, scores, aux_loss
+
+
+# -----------------------------------------------------------------------------
+# the routing statistics the paper plots (Fig. 4), from accumulated counts
+
+def routing_stats(hist, load):
+    """hist[c] = tokens that took c experts (c = 0..N); load[e] = tokens sent to expert e."""
+    hist, load = hist.double(), load.double()
+    counts = torch.arange(len(hist), dtype=torch.float64)
+    used = counts[hist > 0]
+    share = load / load.sum().clamp_min(1)  # the probability that an assignment goes to expert e
+    entropy = -(share * share.clamp_min(1e-12).log()).sum() / torch.log(torch.tensor(float(len(load))))
+    return dict(
+        experts_mean=float((hist * counts).sum() / hist.sum()), experts_min=int(used.min()),
+        experts_max=int(used.max()), experts_hist=[int(h) for h in hist],
+        load=[int(n) for n in load], load_var=float(load.var(unbiased=False)),
+        load_cv=float(load.std(unbiased=False) / load.mean().clamp_min(1e-12)),
+        dead_experts=int((load == 0).sum()), entropy=float(entropy),
+    )

@@ -22,6 +22,9 @@ temperature = 0.8          # 0 = greedy
 sample_top_k = 200         # sample among the most likely tokens only (0 = all)
 seed = 1337
 device = 'auto'
+use_cache = True           # decode with the KV cache and the Expert Cache (False: recompute every step)
+prompt_routing = 'online'  # 'online': the prompt token by token, as generation; 'joint': as one sequence
+color = False              # colour each token by the experts it took, mean over MoE layers (paper Fig. 5b)
 # -----------------------------------------------------------------------------
 apply_overrides(globals(), sys.argv[1:])
 
@@ -39,6 +42,22 @@ def load_model(out_dir, device):
     model = GPT(GPTConfig(**checkpoint['model_args']))
     model.load_state_dict(checkpoint['model'])
     return model.eval().to(device), checkpoint['meta']
+
+
+def colored(ids, experts, decode, top_k):
+    """Text with each token's background coloured by its expert count: blue below top_k, white at
+    top_k, red above (ANSI 256 colours; the last token, never fed back, is uncoloured)."""
+    palette = [21, 27, 33, 39, 45, 231, 217, 210, 203, 196]  # blue .. white .. red
+    out = []
+    for i, token in enumerate(ids):
+        text = decode([token])
+        if i < len(experts):
+            level = round(4.5 + 4.5 * max(-1.0, min(1.0, (experts[i] - top_k) / max(top_k, 1))))
+            text = f"\033[48;5;{palette[level]}m\033[38;5;16m{text}\033[0m"
+        out.append(text)
+    legend = ' '.join(f"\033[48;5;{palette[round(4.5 + 4.5 * f)]}m\033[38;5;16m {top_k * (1 + f):.1f} \033[0m"
+                      for f in (-1, -0.5, 0, 0.5, 1))
+    return ''.join(out) + f"\n[experts per token: {legend}]"
 
 
 if __name__ == '__main__':
@@ -60,7 +79,31 @@ if __name__ == '__main__':
         fail(f"the prompt is {len(start_ids)} tokens, longer than the model's context of {block_size}; "
              f"shorten --start")
     x = torch.tensor(start_ids, dtype=torch.long, device=device)[None, ...]
+    cfg = model.config
     for _ in range(num_samples):
-        y = model.generate(x, max_new_tokens, temperature=temperature, sample_top_k=sample_top_k or None)
-        print(decode(y[0].tolist()))
+        counts = []  # per step: experts each MoE layer gave the newest token
+        prompt_counts = []  # experts per prompt token, mean over layers
+
+        def count_experts(routing):
+            if not prompt_counts:
+                prompt_counts.extend(torch.stack([mask[0].sum(-1) for mask, _ in routing]).float().mean(0).tolist())
+            counts.append([mask[0, -1].sum().item() for mask, _ in routing])
+        try:
+            y = model.generate(x, max_new_tokens, temperature=temperature, sample_top_k=sample_top_k or None,
+                               use_cache=use_cache, prompt_routing=prompt_routing, on_step=count_experts)
+        except ValueError as e:
+            fail(e)
+        # every generated token but the last went through the MoE layers as the newest token
+        counts = torch.tensor(counts[1:], dtype=torch.long)
+        if color:
+            print(colored(y[0].tolist(), prompt_counts + counts.float().mean(1).tolist(), decode, cfg.top_k))
+        else:
+            print(decode(y[0].tolist()))
+        if len(counts):
+            hist = torch.bincount(counts.flatten(), minlength=cfg.n_exp + 1).tolist()
+            print(f"[{cfg.router}, top_k={cfg.top_k}, {'cached' if use_cache else 'recomputed'}] "
+                  f"experts per generated token: mean {counts.float().mean():.2f}, "
+                  f"min {counts.min().item()}, max {counts.max().item()}, "
+                  f"per layer {[round(v, 2) for v in counts.float().mean(0).tolist()]}, "
+                  f"histogram (0..{cfg.n_exp} experts) {hist}")
         print('---------------')

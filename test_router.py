@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from model import GPT, GPTConfig, dispatch
-from router import seqtopk_mask, topk_mask, route
+from router import check_router, seqtopk_mask, topk_mask
 
 REPO = os.path.dirname(os.path.abspath(__file__))
 OFFLINE_ENV = dict(os.environ, HF_DATASETS_OFFLINE='1', HF_HUB_OFFLINE='1')
@@ -98,7 +98,7 @@ def test_infeasible_budgets_raise_a_clear_error(k, min_k, max_k):
 
 def test_unknown_router_is_a_clear_error():
     with pytest.raises(ValueError, match="unknown router 'top2'"):
-        route(random_scores(1, 4, 8), 'top2', 2)
+        check_router('top2', 2, 8)
     with pytest.raises(ValueError, match="n_exp"):
         GPTConfig(n_exp=4, top_k=5).validate()
 
@@ -144,32 +144,98 @@ def test_dispatch_equals_a_per_token_reference_forward_and_gradient(impl):
 # the model trains with every router
 
 def tiny_config(router, **kw):
-    return GPTConfig(block_size=32, vocab_size=16, n_layer=2, n_head=2, n_embd=32, n_exp=4, top_k=2,
-                     exp_dim=32, router=router, **kw)
+    settings = dict(block_size=32, vocab_size=16, n_layer=2, n_head=2, n_embd=32, n_exp=4, top_k=2, exp_dim=32)
+    return GPTConfig(router=router, **{**settings, **kw})
 
 
-@pytest.mark.parametrize("router", ["topk", "seqtopk"])
-def test_a_tiny_model_learns_with_each_router(router):
-    torch.manual_seed(0)
-    model = GPT(tiny_config(router, moe_every=1))
-    opt = model.configure_optimizers(0.0, 3e-3, (0.9, 0.99), 'cpu')
-    g = torch.Generator().manual_seed(0)
-    # a learnable language: counting upward mod 16 from a random start
-    def batch():
-        start = torch.randint(0, 16, (8, 1), generator=g)
-        seq = (start + torch.arange(33)) % 16
-        return seq[:, :-1], seq[:, 1:]
+def counting_batches(seed=0, B=8, T=32):
+    """A learnable language: counting upward mod 16 from a random start."""
+    g = torch.Generator().manual_seed(seed)
+    while True:
+        seq = (torch.randint(0, 16, (B, 1), generator=g) + torch.arange(T + 1)) % 16
+        yield seq[:, :-1], seq[:, 1:]
+
+
+def train_tiny(model, steps, lr=3e-3, check=None):
+    opt = model.configure_optimizers(0.0, lr, (0.9, 0.99), 'cpu')
     losses = []
-    for _ in range(30):
-        x, y = batch()
+    for _, (x, y) in zip(range(steps), counting_batches()):
         _, ce, aux = model(x, y)
         (ce + aux['aux_loss']).backward()
         opt.step()
         opt.zero_grad()
         losses.append(ce.item())
-        masks = [mask for mask, _ in aux['routing']]
-        assert all(mask.sum() == mask.shape[0] * mask.shape[1] * 2 for mask in masks)
+        if check:
+            check(aux['routing'])
+    return losses
+
+
+@pytest.mark.parametrize("router", ["topk", "seqtopk", "batchtopk", "relu"])
+def test_a_tiny_model_learns_with_each_router(router):
+    torch.manual_seed(0)
+    model = GPT(tiny_config(router))
+    losses = train_tiny(model, 30)
+    assert all(np.isfinite(losses))
     assert np.mean(losses[-5:]) < 0.7 * np.mean(losses[:5])
+
+
+@pytest.mark.parametrize("router", ["topk", "seqtopk", "batchtopk"])
+def test_every_budgeted_router_spends_exactly_B_T_k_experts_in_training(router):
+    def check(routing):
+        for mask, _ in routing:
+            B, T, _ = mask.shape
+            assert mask.sum() == B * T * 2
+    train_tiny(GPT(tiny_config(router)), 5, check=check)
+
+
+def test_batchtopk_takes_the_top_B_T_k_entries_of_the_batch():
+    from router import batchtopk_mask
+    scores = random_scores(4, 9, 8, seed=1)
+    mask = batchtopk_mask(scores, 2)
+    assert mask.sum() == 4 * 9 * 2
+    assert scores[mask].min() >= scores[~mask].max()
+    assert mask.sum(-1).max() > 2  # unlike topk, tokens compete across the whole batch
+
+
+def test_batchtopk_evaluation_does_not_depend_on_the_rest_of_the_batch():
+    torch.manual_seed(0)
+    model = GPT(tiny_config('batchtopk'))
+    train_tiny(model, 10)
+    thresholds = [m.ffn.router.threshold.item() for m in model.transformer.h]
+    assert all(0 < t < 1 for t in thresholds)
+    assert 'transformer.h.0.ffn.router.threshold' in model.state_dict()  # saved with checkpoints
+    model.eval()
+    x, y = next(counting_batches(seed=5, B=4))
+    alone_logits, _, alone = model(x[:1], y[:1])
+    batch_logits, _, batched = model(x, y)
+    for (mask_alone, _), (mask_batched, _) in zip(alone['routing'], batched['routing']):
+        assert torch.equal(mask_alone[0], mask_batched[0])
+    torch.testing.assert_close(alone_logits[0], batch_logits[0], rtol=1e-5, atol=1e-5)
+
+
+def test_relu_routing_moves_the_active_fraction_toward_k_over_n():
+    torch.manual_seed(0)
+    model = GPT(tiny_config('relu', n_exp=8, relu_l1_init=1e-4))
+    routers = [b.ffn.router for b in model.transformer.h]
+    target = 2 / 8
+    fractions = []
+    train_tiny(model, 60, check=lambda routing: fractions.append(
+        np.mean([mask.float().mean().item() for mask, _ in routing])))
+    start, end = abs(np.mean(fractions[:5]) - target), abs(np.mean(fractions[-10:]) - target)
+    assert start > 0.15 and end < start / 2, (fractions[:5], fractions[-10:])
+    assert all(r.l1_coef.item() != 1e-4 for r in routers)  # lambda adapted
+    assert 'transformer.h.0.ffn.router.l1_coef' in model.state_dict()
+
+
+def test_relu_with_every_gate_closed_gives_no_nan():
+    model = GPT(tiny_config('relu'))
+    for block in model.transformer.h:
+        torch.nn.init.zeros_(block.ffn.router.gate.weight)  # every logit 0: ReLU closes every gate
+    x, y = next(counting_batches())
+    _, ce, aux = model(x, y)
+    assert all(mask.sum() == 0 for mask, _ in aux['routing'])
+    (ce + aux['aux_loss']).backward()
+    assert torch.isfinite(ce) and all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
 
 
 def test_dense_layers_between_moe_layers():
@@ -253,3 +319,183 @@ def test_bad_settings_fail_at_start_with_one_line(workdir, args, message):
     result = run('train.py', '--out_dir=bad', *args, cwd=workdir)
     assert result.returncode != 0 and 'Traceback' not in result.stderr
     assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+# -----------------------------------------------------------------------------
+# causal decoding: online SeqTopK, the Expert Cache and the KV cache
+
+def test_online_seqtopk_routes_token_m_as_seqtopk_over_tokens_1_to_m():
+    from router import online_seqtopk_mask
+    for ties in (False, True):
+        for k, min_k, max_k in [(2, 1, None), (2, 0, 8), (3, 1, 8)]:
+            scores = random_scores(3, 20, 8, seed=k, ties=ties)
+            mask, _, _ = online_seqtopk_mask(scores, k, min_k, max_k)
+            prefix_rule = torch.stack([seqtopk_mask(scores[:, :m], k, min_k, max_k)[:, m - 1]
+                                       for m in range(1, 21)], dim=1)
+            assert torch.equal(mask, prefix_rule)
+
+
+def test_online_seqtopk_is_causal_and_starts_as_topk():
+    from router import online_seqtopk_mask
+    scores = random_scores(2, 24, 8, seed=1)
+    mask, _, _ = online_seqtopk_mask(scores, 2)
+    assert torch.equal(mask[:, 0], topk_mask(scores[:, :1], 2)[:, 0])  # position 1 is routed as topk
+    for m in (1, 7, 15):
+        changed = scores.clone()
+        changed[:, m:] = random_scores(2, 24 - m, 8, seed=99 + m)
+        assert torch.equal(online_seqtopk_mask(changed, 2)[0][:, :m], mask[:, :m])
+
+
+def test_strict_budget_never_overspends_a_prefix_while_plain_can():
+    from router import online_seqtopk_mask
+    scores = random_scores(16, 64, 8, seed=2, ties=True)
+    budget = 2 * torch.arange(1, 65)
+    plain, _, _ = online_seqtopk_mask(scores, 2)
+    strict, _, spent = online_seqtopk_mask(scores, 2, strict=True)
+    assert (plain.sum(-1).cumsum(-1) > budget).any()  # the paper's plain rule does overspend
+    assert (strict.sum(-1).cumsum(-1) <= budget).all()
+    assert (strict.sum(-1) >= 1).all() and torch.equal(spent, strict.sum(dim=(1, 2)))
+
+
+def trained_tiny(router, **kw):
+    torch.manual_seed(0)
+    model = GPT(tiny_config(router, **kw))
+    train_tiny(model, 10)
+    return model.eval()
+
+
+@pytest.mark.parametrize("router,kw", [("seqtopk", {}), ("seqtopk", {'seq_budget': 'strict'}), ("topk", {}),
+                                       ("batchtopk", {}), ("relu", {})])
+def test_the_expert_cache_routes_decoding_exactly_like_the_causal_prefix_rule(router, kw):
+    from model import Cache
+    model = trained_tiny(router, **kw)
+    seq = next(counting_batches(seed=3, B=2))[0][:, :24]
+    seq[:, 10:] = torch.randint(0, 16, (2, 14))  # off-pattern tokens make routing vary more
+    logits_tf, _, tf = model(seq, seq, causal=True)  # teacher forcing, one pass
+    cache = Cache(model.config.n_layer)
+    steps = [model(seq[:, :6], seq[:, :6], cache=cache)]  # the prompt
+    steps += [model(seq[:, m:m + 1], seq[:, m:m + 1], cache=cache) for m in range(6, 24)]
+    for layer, (mask_tf, _) in enumerate(tf['routing']):
+        assert torch.equal(torch.cat([aux['routing'][layer][0] for _, _, aux in steps], dim=1), mask_tf)
+    torch.testing.assert_close(torch.cat([logits for logits, _, _ in steps], dim=1), logits_tf,
+                               rtol=1e-4, atol=1e-4)
+    if router == 'seqtopk':
+        assert cache.layers[0]['ranked'].shape == (2, 24, 4)  # the Expert Cache holds every token's scores
+
+
+@pytest.mark.parametrize("router", ["topk", "seqtopk", "batchtopk", "relu"])
+def test_kv_cached_generation_equals_full_recompute(router):
+    model = trained_tiny(router)
+    prompt = torch.randint(0, 16, (2, 5), generator=torch.Generator().manual_seed(1))
+    cached = model.generate(prompt, 25, temperature=0, use_cache=True)
+    recomputed = model.generate(prompt, 25, temperature=0, use_cache=False)
+    assert torch.equal(cached, recomputed)
+
+
+def test_causal_routing_in_the_model_ignores_later_tokens():
+    model = trained_tiny('seqtopk')
+    seq = torch.randint(0, 16, (2, 30), generator=torch.Generator().manual_seed(4))
+    _, _, before = model(seq, causal=True)
+    changed = seq.clone()
+    changed[:, 12:] = (changed[:, 12:] + 5) % 16
+    _, _, after = model(changed, causal=True)
+    for (mask_a, _), (mask_b, _) in zip(before['routing'], after['routing']):
+        assert torch.equal(mask_a[:, :12], mask_b[:, :12])
+
+
+def test_a_prompt_routed_jointly_takes_offline_seqtopk_then_decodes_online():
+    from model import Cache
+    model = trained_tiny('seqtopk')
+    seq = torch.randint(0, 16, (2, 20), generator=torch.Generator().manual_seed(6))
+    cache = Cache(model.config.n_layer)
+    _, _, prompt = model(seq[:, :12], cache=cache, causal=False)  # what prompt_routing='joint' does
+    _, _, offline = model(seq[:, :12], causal=False)
+    for (mask_p, _), (mask_o, _) in zip(prompt['routing'], offline['routing']):
+        assert torch.equal(mask_p, mask_o)
+    assert torch.equal(cache.layers[0]['spent'], torch.full((2,), 12 * 2))  # exact budget on the prompt
+    _, _, step = model(seq[:, 12:13], cache=cache)
+    assert all(mask.shape == (2, 1, 4) and mask.sum() >= 2 for mask, _ in step['routing'])
+
+
+# -----------------------------------------------------------------------------
+# scale: DDP, exact resume, atomic checkpoints
+
+def last_eval(out_dir):
+    import json
+    evals = [json.loads(line) for line in open(out_dir / 'log.jsonl') if '"event": "eval"' in line]
+    return evals[-1]
+
+
+def test_ddp_on_two_cpu_processes_matches_one_process_with_the_same_global_batch(workdir):
+    common = [os.path.join(REPO, 'config', 'tiny.py'), '--router=seqtopk', '--gradient_accumulation_steps=2',
+              '--max_iters=6', '--eval_interval=6']
+    single = run('train.py', *common, '--out_dir=single', cwd=workdir)
+    assert single.returncode == 0, single.stderr
+    ddp = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
+                          os.path.join(REPO, 'train.py'), *common, '--out_dir=ddp'],
+                         cwd=workdir, env=OFFLINE_ENV, capture_output=True, text=True, timeout=300)
+    assert ddp.returncode == 0, ddp.stderr
+    assert '2 processes' in ddp.stdout
+    a, b = last_eval(workdir / 'single'), last_eval(workdir / 'ddp')
+    assert a['iter'] == b['iter'] == 6
+    assert abs(a['val_ce'] - b['val_ce']) < 1e-4 and abs(a['train_ce'] - b['train_ce']) < 1e-4
+
+
+@pytest.mark.parametrize("router", ["seqtopk", "batchtopk"])
+def test_twenty_steps_straight_equal_ten_plus_resumed_ten(workdir, router):
+    common = [os.path.join(REPO, 'config', 'tiny.py'), f'--router={router}', '--lr_decay_iters=20',
+              '--eval_interval=10']
+    straight = run('train.py', *common, '--max_iters=20', f'--out_dir=straight-{router}', cwd=workdir)
+    first = run('train.py', *common, '--max_iters=10', f'--out_dir=split-{router}', cwd=workdir)
+    resumed = run('train.py', *common, '--max_iters=20', '--init_from=resume', f'--out_dir=split-{router}',
+                  cwd=workdir)
+    for result in (straight, first, resumed):
+        assert result.returncode == 0, result.stderr
+    a, b = last_eval(workdir / f'straight-{router}'), last_eval(workdir / f'split-{router}')
+    assert a['iter'] == b['iter'] == 20
+    assert a['val_ce'] == pytest.approx(b['val_ce'], abs=1e-6)
+    assert a['train_ce'] == pytest.approx(b['train_ce'], abs=1e-6)
+
+
+def test_resume_with_another_architecture_is_a_clear_error(workdir):
+    out = workdir / 'arch'
+    assert run('train.py', os.path.join(REPO, 'config', 'tiny.py'), '--max_iters=2', f'--out_dir={out}',
+               cwd=workdir).returncode == 0
+    result = run('train.py', os.path.join(REPO, 'config', 'tiny.py'), '--init_from=resume', '--n_exp=8',
+                 f'--out_dir={out}', cwd=workdir)
+    assert result.returncode != 0 and 'Traceback' not in result.stderr
+    assert 'trained with n_exp=4' in result.stderr
+    again = run('train.py', os.path.join(REPO, 'config', 'tiny.py'), f'--out_dir={out}', cwd=workdir)
+    assert again.returncode != 0 and 'already holds a run' in again.stderr  # no silent overwrite
+
+
+def test_a_run_killed_while_saving_leaves_a_loadable_checkpoint(workdir):
+    import signal
+    import time
+    out = workdir / 'killed'
+    for delay in (0.05, 0.3, 0.7):
+        proc = subprocess.Popen([sys.executable, os.path.join(REPO, 'train.py'), os.path.join(REPO, 'config', 'tiny.py'),
+                                 '--max_iters=100000', '--eval_interval=1', '--eval_iters=1', '--always_save_checkpoint=True',
+                                 f'--out_dir={out}', '--overwrite=True'],
+                                cwd=workdir, env=OFFLINE_ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.time() + 60
+        while not (out / 'ckpt.pt').exists() and time.time() < deadline:
+            time.sleep(0.05)
+        time.sleep(delay)  # the run saves every step: this lands in or near a save
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        ckpt = torch.load(out / 'ckpt.pt', weights_only=True)
+        assert ckpt['iter_num'] >= 1 and 'model' in ckpt
+        (out / 'ckpt.pt').unlink()
+
+
+@pytest.mark.parametrize("router", ["topk", "seqtopk", "batchtopk", "relu"])
+def test_torch_compile_trains_with_every_router_like_eager(router):
+    torch.manual_seed(0)
+    model = GPT(tiny_config(router))
+    x, y = next(counting_batches())
+    _, eager_ce, _ = model(x, y)
+    _, ce, aux = torch.compile(model)(x, y)
+    (ce + aux['aux_loss']).backward()
+    assert ce.item() == pytest.approx(eager_ce.item(), rel=1e-4)
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)

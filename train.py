@@ -18,9 +18,12 @@ from dataclasses import asdict, fields
 
 import numpy as np
 import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from configurator import apply_overrides
 from model import GPT, GPTConfig
+from router import routing_stats
 
 # -----------------------------------------------------------------------------
 # I/O
@@ -30,7 +33,8 @@ eval_iters = 20
 log_interval = 25
 always_save_checkpoint = False  # else only when val loss improves (and at the end)
 overwrite = False               # allow a new run to replace the checkpoint already in out_dir
-init_from = 'scratch'           # 'scratch' or 'resume' (from out_dir/ckpt.pt)
+init_from = 'scratch'           # 'scratch', 'resume' (out_dir/ckpt.pt), or a ckpt.pt path to fine-tune from
+eval_only = False               # evaluate once (e.g. a checkpoint with another router) and exit
 # data
 dataset = 'shakespeare_char'    # a folder under data/ made by prepare.py
 batch_size = 16
@@ -46,13 +50,18 @@ n_exp = 8
 top_k = 2
 exp_dim = 128
 moe_every = 1
-router = 'topk'                 # topk | seqtopk
+router = 'topk'                 # topk | seqtopk | batchtopk | relu
 seq_min_k = 1
 seq_max_k = 0                   # 0 = top_k + 2 (the paper's default); n_exp = no upper bound
 norm_topk_prob = False
 aux_loss_weight = 0.01
 z_loss_weight = 0.001
+threshold_decay = 0.99          # batchtopk: EMA decay of the threshold used at evaluation
+relu_l1_init = 1e-8             # relu: initial L1 coefficient (ReMoE's lambda_0)
+relu_l1_step = 1.2              # relu: lambda's adaptation factor (ReMoE's alpha)
 moe_impl = 'grouped'            # 'grouped' (torch._grouped_mm) or 'loop' (one matmul per expert)
+seq_causal = False              # seqtopk: train with the online (causal) rule instead of the offline one
+seq_budget = 'plain'            # online seqtopk: 'plain' (the paper) or 'strict' (no prefix overspends)
 # optimizer: AdamW with linear warmup then cosine decay
 learning_rate = 2e-3
 max_iters = 1500
@@ -69,20 +78,35 @@ dtype = 'auto'                  # 'auto', 'float32', 'bfloat16', 'float16'
 compile = False
 seed = 1337
 # -----------------------------------------------------------------------------
+t_begin = time.time()
 overridden = apply_overrides(globals(), sys.argv[1:])
 config = {k: globals()[k] for k in sorted(globals()) if not k.startswith('_') and
           isinstance(globals()[k], (int, float, bool, str)) and k not in ('overridden',)}
 MODEL_KEYS = [f.name for f in fields(GPTConfig)]
-ROUTING_KEYS = {'router', 'top_k', 'seq_min_k', 'seq_max_k', 'norm_topk_prob', 'aux_loss_weight',
-                'z_loss_weight', 'moe_impl', 'dropout'}  # may change on resume; the rest is architecture
+ROUTING_KEYS = {'router', 'top_k', 'seq_min_k', 'seq_max_k', 'norm_topk_prob', 'aux_loss_weight', 'z_loss_weight',
+                'threshold_decay', 'relu_l1_init', 'relu_l1_step', 'moe_impl', 'dropout', 'seq_causal',
+                'seq_budget'}  # may change on resume; the rest is architecture
 
 
 def fail(message):
     raise SystemExit(f"error: {message}")
 
 
+# distributed data parallel when launched by torchrun: NCCL on GPUs, gloo on CPU
+ddp = 'RANK' in os.environ
+rank, world_size = (int(os.environ['RANK']), int(os.environ['WORLD_SIZE'])) if ddp else (0, 1)
+master_process = rank == 0
 if device == 'auto':
     device = 'cuda' if torch.cuda.is_available() else 'cpu'
+if ddp:
+    if device.startswith('cuda'):
+        device = f"cuda:{os.environ['LOCAL_RANK']}"
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend='nccl' if device.startswith('cuda') else 'gloo')
+    if gradient_accumulation_steps % world_size:
+        fail(f"gradient_accumulation_steps={gradient_accumulation_steps} must be a multiple of the "
+             f"{world_size} processes (each runs gradient_accumulation_steps / {world_size})")
+    gradient_accumulation_steps //= world_size
 device_type = 'cuda' if device.startswith('cuda') else device
 if dtype == 'auto':
     dtype = 'bfloat16' if device_type == 'cuda' and torch.cuda.is_bf16_supported() else 'float32'
@@ -99,7 +123,7 @@ os.makedirs(out_dir, exist_ok=True)
 # -----------------------------------------------------------------------------
 # data: the built-in datasets are prepared on first use, anything else must exist
 data_dir = os.path.join('data', dataset)
-if not os.path.exists(os.path.join(data_dir, 'train.bin')):
+if not os.path.exists(os.path.join(data_dir, 'train.bin')) and master_process:
     builtin = {'shakespeare_char': [], 'shakespeare': ['--tokenizer=gpt2']}
     if dataset not in builtin:
         fail(f"no data in {data_dir}/; make it with `python prepare.py --text=FILE` or "
@@ -107,6 +131,8 @@ if not os.path.exists(os.path.join(data_dir, 'train.bin')):
     print(f"preparing the built-in dataset '{dataset}' in {data_dir}/")
     import prepare
     prepare.main(builtin[dataset] + [f'--out_dir={data_dir}'])
+if ddp:
+    dist.barrier()  # the other ranks wait for rank 0 to prepare the data
 with open(os.path.join(data_dir, 'meta.pkl'), 'rb') as f:
     meta = pickle.load(f)
 data = {split: np.memmap(os.path.join(data_dir, f'{split}.bin'), dtype=np.uint16, mode='r')
@@ -114,12 +140,16 @@ data = {split: np.memmap(os.path.join(data_dir, f'{split}.bin'), dtype=np.uint16
 for split, arr in data.items():
     if len(arr) <= block_size:
         fail(f"{data_dir}/{split}.bin has {len(arr)} tokens, fewer than block_size={block_size} + 1")
-batch_gen = torch.Generator().manual_seed(seed)  # its state goes into the checkpoint
+batch_gen = torch.Generator().manual_seed(seed)  # draws the training batches; checkpointed
 
 
 def get_batch(split, generator=batch_gen):
+    # Every rank draws the same stream of batches and keeps its own: the global batch is what one
+    # process with gradient_accumulation_steps * world_size micro-steps would see.
     arr = data[split]
-    ix = torch.randint(len(arr) - block_size, (batch_size,), generator=generator).tolist()
+    draws = [torch.randint(len(arr) - block_size, (batch_size,), generator=generator)
+             for _ in range(world_size if generator is batch_gen else 1)]
+    ix = draws[rank if generator is batch_gen else 0].tolist()
     x = torch.stack([torch.from_numpy(arr[i:i + block_size].astype(np.int64)) for i in ix])
     y = torch.stack([torch.from_numpy(arr[i + 1:i + 1 + block_size].astype(np.int64)) for i in ix])
     if device_type == 'cuda':
@@ -133,23 +163,24 @@ model_args = {k: config[k] for k in MODEL_KEYS if k in config}
 model_args['vocab_size'] = meta['vocab_size']
 iter_num, best_val_loss, checkpoint = 0, float('inf'), None
 ckpt_path = os.path.join(out_dir, 'ckpt.pt')
-if init_from == 'resume':
-    if not os.path.exists(ckpt_path):
-        fail(f"--init_from=resume but there is no {ckpt_path}")
-    checkpoint = torch.load(ckpt_path, map_location=device, weights_only=True)
-    for k, saved in checkpoint['model_args'].items():
+source = None if init_from == 'scratch' else ckpt_path if init_from == 'resume' else init_from
+if source is not None:  # resume a run, or fine-tune (a new run) from another run's weights
+    if not os.path.isfile(source):
+        fail(f"--init_from={init_from} but there is no checkpoint at {source} "
+             f"(use 'scratch', 'resume' or the path of a ckpt.pt)")
+    checkpoint = torch.load(source, map_location=device, weights_only=True)
+    for k, saved in checkpoint['model_args'].items():  # settings not given here come from the checkpoint
         if k in overridden and model_args.get(k) != saved and k not in ROUTING_KEYS:
-            fail(f"{ckpt_path} was trained with {k}={saved!r}, this run asks for {k}={model_args[k]!r}; "
-                 f"drop --{k} or use another --out_dir")
+            fail(f"{source} was trained with {k}={saved!r}, this run asks for {k}={model_args[k]!r}; "
+                 f"drop --{k}, or train from scratch in another --out_dir")
         if k not in overridden:
             model_args[k] = saved
     if checkpoint['model_args']['vocab_size'] != meta['vocab_size']:
-        fail(f"{ckpt_path} has vocab_size={checkpoint['model_args']['vocab_size']}, but {data_dir} has "
-             f"{meta['vocab_size']}; resume on the dataset it was trained on (--dataset={checkpoint['dataset']})")
-    iter_num, best_val_loss = checkpoint['iter_num'], checkpoint['best_val_loss']
-elif init_from != 'scratch':
-    fail(f"init_from must be 'scratch' or 'resume', got '{init_from}'")
-elif os.path.exists(ckpt_path) and not overwrite:
+        fail(f"{source} has vocab_size={checkpoint['model_args']['vocab_size']}, but {data_dir} has "
+             f"{meta['vocab_size']}; use the dataset it was trained on (--dataset={checkpoint['dataset']})")
+    if init_from == 'resume':
+        iter_num, best_val_loss = checkpoint['iter_num'], checkpoint['best_val_loss']
+if init_from != 'resume' and os.path.exists(ckpt_path) and not overwrite and not eval_only:
     fail(f"{out_dir}/ already holds a run; continue it with --init_from=resume, "
          f"or pick another --out_dir, or pass --overwrite=True to replace it")
 try:
@@ -160,7 +191,7 @@ if checkpoint is not None:
     model.load_state_dict(checkpoint['model'])
 model.to(device)
 optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type)
-if checkpoint is not None:
+if init_from == 'resume':  # a fine-tune starts a fresh optimizer (and warmup) on the loaded weights
     optimizer.load_state_dict(checkpoint['optimizer'])
     batch_gen.set_state(checkpoint['batch_gen_state'])
     torch.set_rng_state(checkpoint['torch_rng_state'])
@@ -168,38 +199,86 @@ scaler = torch.amp.GradScaler(enabled=(dtype == 'float16' and device_type == 'cu
 raw_model = model
 if compile:
     model = torch.compile(model)
+if ddp:  # buffers (batchtopk threshold, relu lambda) are averaged by sync_router_state instead
+    model = DDP(model, device_ids=[device] if device_type == 'cuda' else None, broadcast_buffers=False)
 cfg = raw_model.config
-print(f"{cfg.router} routing, {cfg.top_k} of {cfg.n_exp} experts per token: "
-      f"{raw_model.num_params() / 1e6:.2f}M parameters, {raw_model.num_params(active=True) / 1e6:.2f}M active; "
-      f"device {device}, {dtype}")
+routers = [block.ffn.router for block in raw_model.transformer.h if hasattr(block.ffn, 'router')]
+
+
+def sync_router_state():
+    """Average the routers' running state over the ranks, so every rank routes identically."""
+    if ddp and cfg.router in ('batchtopk', 'relu'):
+        for buffer in (b for router in routers for b in router.buffers()):
+            dist.all_reduce(buffer, op=dist.ReduceOp.SUM)
+            buffer.div_(world_size)
+
+
+if master_process:
+    print(f"{cfg.router} routing, {cfg.top_k} of {cfg.n_exp} experts per token: "
+          f"{raw_model.num_params() / 1e6:.2f}M parameters, {raw_model.num_params(active=True) / 1e6:.2f}M active; "
+          f"device {device}, {dtype}" + (f", {world_size} processes" if ddp else ''))
 
 
 # -----------------------------------------------------------------------------
 # evaluation, learning rate, logging, checkpointing
-def routing_summary(routing):
-    """Experts per token over all MoE layers of a forward pass: mean, min, max."""
-    counts = torch.cat([mask.sum(-1).flatten() for mask, _ in routing]).float()
-    return dict(mean=counts.mean().item(), min=counts.min().item(), max=counts.max().item())
-
-
 @torch.no_grad()
+def evaluate(split, causal=None, entropy_bins=10):
+    """Mean cross-entropy and aux loss over eval_iters fixed batches of a split, and what the
+    routing plots need: per layer the experts-per-token histogram and the expert load; mean experts
+    per token at each position; mean experts per token against the token's predictive entropy
+    (in entropy_bins bins of H / log V); and the worst prefix overspend (experts taken by tokens
+    1..m beyond m * top_k, what the online budget promises never happens)."""
+    gen = torch.Generator().manual_seed(seed + (split == 'val'))  # the same batches at every eval
+    N, k = cfg.n_exp, cfg.top_k
+    ce, aux, hist, load, overspend, by_position, bin_count, bin_experts = [], [], 0, 0, 0, 0, 0, 0
+    for _ in range(eval_iters):
+        X, Y = get_batch(split, gen)
+        with ctx:
+            logits, loss, extra = model(X, Y, causal=causal)
+        ce.append(loss.item())
+        aux.append(float(extra['aux_loss']))
+        masks = torch.stack([mask for mask, _ in extra['routing']]).cpu()  # (layers, B, T, N)
+        per_token = masks.sum(-1)
+        hist = hist + torch.stack([torch.bincount(c.flatten(), minlength=N + 1) for c in per_token])
+        load = load + masks.sum(dim=(1, 2))
+        budget = k * torch.arange(1, per_token.shape[-1] + 1)
+        overspend = max(overspend, int((per_token.cumsum(-1) - budget).max()))
+        experts = per_token.float().mean(0)  # (B, T), averaged over layers
+        by_position = by_position + experts.mean(0)
+        logp = logits.float().log_softmax(-1)
+        entropy = -(logp.exp() * logp).sum(-1).cpu() / math.log(logits.shape[-1])  # (B, T) in [0, 1]
+        bins = (entropy * entropy_bins).long().clamp(0, entropy_bins - 1).flatten()
+        bin_count = bin_count + torch.bincount(bins, minlength=entropy_bins)
+        bin_experts = bin_experts + torch.bincount(bins, weights=experts.flatten(), minlength=entropy_bins)
+    result = dict(ce=float(np.mean(ce)), aux=float(np.mean(aux)),
+                  experts_by_position=(by_position / eval_iters).tolist(),
+                  experts_by_entropy=(bin_experts / bin_count.clamp_min(1)).tolist(),
+                  tokens_by_entropy=bin_count.tolist(), prefix_overspend=overspend)
+    return result, hist, load
+
+
 def estimate_loss():
-    """Mean train/val cross-entropy (and aux loss) over eval_iters batches from a fixed stream."""
+    """Train/val losses and per-layer routing statistics on val (experts per token, expert load,
+    entropy; relu lambda and active fraction, batchtopk threshold). For seqtopk the val loss is
+    measured with offline (whole-sequence) and causal (online) routing: offline routing lets a
+    token's expert count depend on later tokens, so the causal number is the one generation reaches."""
     model.eval()
-    out = {}
-    for split in ('train', 'val'):
-        gen = torch.Generator().manual_seed(seed + (split == 'val'))  # same batches at every eval
-        ce, aux, experts = [], [], []
-        for _ in range(eval_iters):
-            X, Y = get_batch(split, gen)
-            with ctx:
-                _, loss, extra = model(X, Y)
-            ce.append(loss.item())
-            aux.append(float(extra['aux_loss']))
-            experts.append(routing_summary(extra['routing'])['mean'])
-        out[split] = dict(ce=float(np.mean(ce)), aux=float(np.mean(aux)), experts_per_token=float(np.mean(experts)))
+    losses = {'train': evaluate('train')[0]}
+    losses['val'], hist, load = evaluate('val')
+    if cfg.router == 'seqtopk':  # 'val' is whichever of the two the model trains with
+        other = 'val_offline' if cfg.seq_causal else 'val_causal'
+        losses['val_causal' if cfg.seq_causal else 'val_offline'] = losses['val']
+        losses[other] = evaluate('val', causal=not cfg.seq_causal)[0]
+    layers = []
+    for layer, router in enumerate(routers):
+        stats = routing_stats(hist[layer], load[layer])
+        if cfg.router == 'relu':
+            stats.update(l1_coef=router.l1_coef.item(), active_frac=router.active_frac.item())
+        if cfg.router == 'batchtopk':
+            stats.update(threshold=router.threshold.item())
+        layers.append(stats)
     model.train()
-    return out
+    return losses, layers
 
 
 def get_lr(it):
@@ -221,17 +300,18 @@ def save_checkpoint():
     ckpt = dict(model=raw_model.state_dict(), optimizer=optimizer.state_dict(),
                 model_args=asdict(raw_model.config), config=config, iter_num=iter_num,
                 best_val_loss=best_val_loss, meta=meta, dataset=dataset,
-                batch_gen_state=batch_gen.get_state(), torch_rng_state=torch.get_rng_state())
+                batch_gen_state=batch_state, torch_rng_state=torch.get_rng_state())
     torch.save(ckpt, ckpt_path + '.tmp')
     os.replace(ckpt_path + '.tmp', ckpt_path)
 
 
 # -----------------------------------------------------------------------------
-# training loop
-if init_from == 'scratch':
+# training loop (rank 0 evaluates, logs and saves)
+if init_from != 'resume' and not eval_only and master_process:
     open(os.path.join(out_dir, 'log.jsonl'), 'w').close()  # a new run starts a new log
     log(dict(event='start', config=config, model_args=asdict(cfg), params=raw_model.num_params(),
              active_params=raw_model.num_params(active=True)))
+batch_state = batch_gen.get_state()  # the state that draws X, Y: a resumed run redraws the same batch
 X, Y = get_batch('train')
 t_start = t_last = time.time()
 while True:
@@ -239,23 +319,31 @@ while True:
     for group in optimizer.param_groups:
         group['lr'] = lr
 
-    if iter_num % eval_interval == 0 or iter_num == max_iters:
-        losses = estimate_loss()
-        print(f"step {iter_num}: train ce {losses['train']['ce']:.4f}, val ce {losses['val']['ce']:.4f}, "
-              f"aux {losses['val']['aux']:.4f}, experts/token {losses['val']['experts_per_token']:.2f}")
-        log(dict(event='eval', iter=iter_num, lr=lr, time=time.time() - t_start, **{
+    if (iter_num % eval_interval == 0 or iter_num >= max_iters) and master_process:
+        losses, layers = estimate_loss()
+        causal = (f" (offline {losses['val_offline']['ce']:.4f}, causal {losses['val_causal']['ce']:.4f})"
+                  if 'val_causal' in losses else '')
+        print(f"step {iter_num}: train ce {losses['train']['ce']:.4f}, val ce {losses['val']['ce']:.4f}{causal}, "
+              f"val aux {losses['val']['aux']:.4f} | experts/token " +
+              ' '.join(f"{l['experts_mean']:.2f}[{l['experts_min']}-{l['experts_max']}]" for l in layers) +
+              f" | load cv {np.mean([l['load_cv'] for l in layers]):.3f}, "
+              f"entropy {np.mean([l['entropy'] for l in layers]):.3f}")
+        log(dict(event='eval', iter=iter_num, lr=lr, time=time.time() - t_start, layers=layers, **{
             f'{split}_{k}': v for split, d in losses.items() for k, v in d.items()}))
         improved = losses['val']['ce'] < best_val_loss
         best_val_loss = min(best_val_loss, losses['val']['ce'])
-        if iter_num > 0 and (improved or always_save_checkpoint or iter_num == max_iters):
+        if iter_num > 0 and (improved or always_save_checkpoint or iter_num >= max_iters):
             save_checkpoint()
-    if iter_num >= max_iters:
+    if iter_num >= max_iters or eval_only:
         break
 
     for micro_step in range(gradient_accumulation_steps):
+        if ddp:  # gradients are all-reduced on the last micro-step only
+            model.require_backward_grad_sync = micro_step == gradient_accumulation_steps - 1
         with ctx:
             _, ce, extra = model(X, Y)
             loss = (ce + extra['aux_loss']) / gradient_accumulation_steps
+        batch_state = batch_gen.get_state()
         X, Y = get_batch('train')  # fetch the next batch while the backward runs on GPU
         scaler.scale(loss).backward()
     if grad_clip:
@@ -264,9 +352,10 @@ while True:
     scaler.step(optimizer)
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
+    sync_router_state()
     iter_num += 1
 
-    if iter_num % log_interval == 0:
+    if iter_num % log_interval == 0 and master_process:
         now = time.time()
         ms = (now - t_last) * 1000 / log_interval
         t_last = now
@@ -274,5 +363,16 @@ while True:
         print(f"iter {iter_num}: ce {ce.item():.4f}, aux {aux:.4f}, lr {lr:.2e}, {ms:.0f} ms/iter")
         log(dict(event='train', iter=iter_num, ce=ce.item(), aux=aux, lr=lr, ms_per_iter=ms))
 
-print(f"done: {iter_num} iterations in {time.time() - t_start:.0f}s, best val ce {best_val_loss:.4f}; "
-      f"checkpoint in {ckpt_path}")
+if ddp:
+    dist.destroy_process_group()
+if master_process:  # the run's summary, also the last line of log.jsonl (sweep.py reads it)
+    summary = dict(event='done', iter=iter_num, time=time.time() - t_begin, router=cfg.router, top_k=cfg.top_k,
+                   n_exp=cfg.n_exp, init_from=init_from, eval_only=eval_only, val_ce=losses['val']['ce'],
+                   val_ce_offline=losses.get('val_offline', losses['val'])['ce'],
+                   val_ce_causal=losses['val_causal']['ce'] if 'val_causal' in losses else None,
+                   **{k: float(np.mean([l[k] for l in layers])) for k in ('experts_mean', 'load_cv', 'entropy')})
+    log(summary)
+    causal = f", causal routing {summary['val_ce_causal']:.4f}" if 'val_causal' in losses else ''
+    print(f"done: {iter_num} iterations, {summary['time']:.0f}s; final val ce {summary['val_ce']:.4f}{causal}, "
+          f"experts/token {summary['experts_mean']:.2f}, load cv {summary['load_cv']:.3f}, "
+          f"entropy {summary['entropy']:.3f} (means over MoE layers)" + ('' if eval_only else f"; checkpoint in {ckpt_path}"))

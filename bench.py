@@ -1,0 +1,251 @@
+"""
+Benchmarks, measured side by side in one run and printed as Markdown tables.
+
+    python bench.py                          # everything below, on CPU
+    python bench.py --what=train             # training step time per router, default and larger model
+    python bench.py --what=moe               # the MoE layer alone vs a dense FFN with the same active params
+    python bench.py --what=decode            # caches vs recompute, seqtopk vs topk, context 64 vs 1024
+    python bench.py --device=cuda --dtype=bfloat16 --compile=True --json_out=bench.json
+
+Models are randomly initialised (speed does not depend on training). Each figure is the median
+of `repeats` timed runs after a warm-up. Targets: seqtopk / topk training step time <= 1.03 on
+CPU, and MoE layer / dense FFN (fwd + bwd) <= 1.5 at 64 experts, top-8 on CPU.
+"""
+import json
+import statistics
+import sys
+import time
+from contextlib import nullcontext
+
+import torch
+import torch.nn.functional as F
+
+from configurator import apply_overrides
+from model import GPT, GPTConfig, Cache, MoE
+
+# -----------------------------------------------------------------------------
+what = 'all'              # all | train | moe | decode
+device = 'cpu'
+dtype = 'float32'         # float32 | bfloat16 (autocast; the router stays fp32)
+compile = False           # torch.compile the model (train) and the layers (moe)
+repeats = 5               # each figure is the median of this many timed runs
+seed = 0
+json_out = ''             # also write the results here as JSON
+# train: the train.py default model and batch, and a larger one
+train_steps = 10          # optimizer steps per timed run
+# moe: one layer, tokens x n_embd, against a dense FFN of width top_k * exp_dim
+moe_tokens = 4096
+moe_embd = 256
+moe_exp_dim = 128
+moe_n_exp = 64
+moe_top_k = 8
+# decode: the train.py default model (character vocabulary)
+new_tokens = 256          # tokens generated for the cached-vs-recompute comparison
+prompt_tokens = 16
+contexts = '64,1024'      # contexts at which per-step decode speed is measured
+steps_at_context = 64     # decode steps timed at each context
+# -----------------------------------------------------------------------------
+apply_overrides(globals(), sys.argv[1:])
+ptdtype = {'float32': torch.float32, 'bfloat16': torch.bfloat16}[dtype]
+device_type = 'cuda' if device.startswith('cuda') else 'cpu'
+autocast = (lambda: torch.autocast(device_type=device_type, dtype=ptdtype)) if dtype != 'float32' else nullcontext
+ROUTERS = ('topk', 'seqtopk', 'batchtopk', 'relu')
+DEFAULT = dict(n_layer=4, n_head=4, n_embd=128, n_exp=8, top_k=2, exp_dim=128, block_size=128, vocab_size=77)
+LARGER = dict(n_layer=6, n_head=8, n_embd=256, n_exp=16, top_k=4, exp_dim=256, block_size=256, vocab_size=77)
+
+
+def sync():
+    if device_type == 'cuda':
+        torch.cuda.synchronize()
+
+
+def timed(fn, warmup=2):
+    """Median seconds of fn() over `repeats` runs, after `warmup` runs."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def peak_memory(fn):
+    """Peak bytes allocated on the GPU while fn() runs (None on CPU, where torch does not track it)."""
+    if device_type != 'cuda':
+        return None
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    return torch.cuda.max_memory_allocated()
+
+
+def build(router, shape, **kw):
+    torch.manual_seed(seed)
+    return GPT(GPTConfig(router=router, **{**shape, **kw})).to(device)
+
+
+# -----------------------------------------------------------------------------
+def bench_train(results):
+    """Training step time (forward + backward + AdamW) per router, at two model sizes."""
+    print(f"\n### Training step (forward + backward + AdamW), {train_steps} steps per run\n")
+    print("| model | batch | router | ms / step | vs topk | peak memory | MFU (active params) |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    peak_flops = 989e12 if device_type == 'cuda' else None  # H100/H200 dense bf16; MFU only on GPU
+    for name, shape, batch in (('default', DEFAULT, 16), ('larger', LARGER, 16)):
+        T = shape['block_size']
+        gen = torch.Generator().manual_seed(seed)
+        x = torch.randint(0, shape['vocab_size'], (batch, T), generator=gen).to(device)
+        y = torch.randint(0, shape['vocab_size'], (batch, T), generator=gen).to(device)
+        base = None
+        for router in ROUTERS:
+            model = build(router, shape).train()
+            step_model = torch.compile(model) if compile else model
+            opt = model.configure_optimizers(0.1, 1e-4, (0.9, 0.99), device_type)
+
+            def run():
+                for _ in range(train_steps):
+                    with autocast():
+                        _, ce, aux = step_model(x, y)
+                    (ce + aux['aux_loss']).backward()
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+            seconds = timed(run, warmup=1) / train_steps
+            base = base or seconds
+            memory = peak_memory(run)
+            mfu = None
+            if peak_flops:  # 6 flops per active parameter per token, plus attention (nanoGPT's estimate)
+                cfg = model.config
+                flops_per_token = 6 * model.num_params(active=True) + 12 * cfg.n_layer * cfg.n_embd * T
+                mfu = flops_per_token * batch * T / seconds / peak_flops
+            row = dict(model=name, batch=batch, router=router, ms_per_step=seconds * 1e3,
+                       ratio_vs_topk=seconds / base, peak_memory_bytes=memory, mfu=mfu)
+            results['train'].append(row)
+            print(f"| {name} ({model.num_params() / 1e6:.1f}M, {model.num_params(active=True) / 1e6:.1f}M active) "
+                  f"| {batch}x{T} | {router} | {seconds * 1e3:.1f} | {seconds / base:.3f} | "
+                  f"{'n/a' if memory is None else f'{memory / 2**20:.0f} MiB'} | "
+                  f"{'n/a' if mfu is None else f'{mfu:.1%}'} |")
+
+
+# -----------------------------------------------------------------------------
+def naive_moe(moe, x):
+    """The textbook MoE loop for contrast: per expert, gather its tokens with a boolean index."""
+    mask, weights, _, _ = moe.router(x)
+    flat, mask, weights = x.view(-1, x.shape[-1]), mask.view(-1, mask.shape[-1]), weights.view(-1, mask.shape[-1])
+    out = torch.zeros_like(flat)
+    for e in range(mask.shape[1]):
+        rows = mask[:, e].nonzero().squeeze(1)
+        h = F.gelu(flat[rows] @ moe.w_fc[e]) @ moe.w_proj[e]
+        out.index_add_(0, rows, h * weights[rows, e, None])
+    return out
+
+
+def bench_moe(results):
+    """The MoE layer (router + dispatch + experts) against a dense FFN with the same active params."""
+    C, H, N, k = moe_embd, moe_exp_dim, moe_n_exp, moe_top_k
+    print(f"\n### MoE layer vs dense FFN: {moe_tokens} tokens x {C}, {N} experts of width {H}, top-{k} "
+          f"(dense FFN width {k * H}), forward + backward\n")
+    print("| layer | ms | vs dense |")
+    print("| --- | --- | --- |")
+    torch.manual_seed(seed)
+    x = torch.randn(1, moe_tokens, C, device=device, requires_grad=True)
+    dense = torch.nn.Sequential(torch.nn.Linear(C, k * H, bias=False), torch.nn.GELU(),
+                                torch.nn.Linear(k * H, C, bias=False)).to(device)
+    layers = {'dense FFN': dense}
+    for router in ('topk', 'seqtopk'):
+        for impl in ('grouped', 'loop'):
+            cfg = GPTConfig(n_embd=C, n_exp=N, top_k=k, exp_dim=H, router=router, moe_impl=impl)
+            moe = MoE(cfg).to(device)
+            torch.nn.init.normal_(moe.w_fc, std=0.02)
+            torch.nn.init.normal_(moe.w_proj, std=0.02)
+            layers[f'MoE {router}, {impl}'] = (lambda m: (lambda inp: m(inp)[0]))(moe)
+    layers['MoE topk, naive per-expert loop'] = (lambda m: (lambda inp: naive_moe(m, inp)))(moe)
+    base = None
+    for name, layer in layers.items():
+        fn = torch.compile(layer) if compile and name != 'MoE topk, naive per-expert loop' else layer
+
+        def run():
+            with autocast():
+                out = fn(x)
+            out.float().square().mean().backward()
+        seconds = timed(run)
+        base = base or seconds
+        results['moe'].append(dict(layer=name, ms=seconds * 1e3, ratio_vs_dense=seconds / base))
+        print(f"| {name} | {seconds * 1e3:.2f} | {seconds / base:.2f} |")
+
+
+# -----------------------------------------------------------------------------
+@torch.no_grad()
+def decode_step_seconds(model, context, steps):
+    """Seconds per cached decode step after a prompt of `context` tokens (median over runs)."""
+    prompt = torch.randint(0, model.config.vocab_size, (1, context), device=device)
+    seconds = []
+    for _ in range(repeats + 1):
+        cache = Cache(model.config.n_layer)
+        logits, _, _ = model(prompt, cache=cache)
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            logits, _, _ = model(logits[:, -1:].argmax(-1), cache=cache)
+        sync()
+        seconds.append((time.perf_counter() - t0) / steps)
+    return statistics.median(seconds[1:]), cache
+
+
+def bench_decode(results):
+    ctx_list = [int(c) for c in contexts.split(',')]
+    shape = dict(DEFAULT, block_size=max(prompt_tokens + new_tokens, max(ctx_list) + steps_at_context))
+    prompt = torch.randint(0, shape['vocab_size'], (1, prompt_tokens), generator=torch.Generator().manual_seed(seed))
+    prompt = prompt.to(device)
+    print(f"\n### Decoding: {new_tokens} new tokens after a {prompt_tokens}-token prompt (greedy, batch 1)\n")
+    print("| router | KV + Expert Cache tok/s | full recompute tok/s | speed-up |")
+    print("| --- | --- | --- | --- |")
+    speed = {}
+    for router in ('topk', 'seqtopk'):
+        model = build(router, shape).eval()
+        cached = timed(lambda: model.generate(prompt, new_tokens, temperature=0, use_cache=True), warmup=1)
+        recomputed = timed(lambda: model.generate(prompt, new_tokens, temperature=0, use_cache=False), warmup=1)
+        speed[router] = new_tokens / cached
+        results['decode'].append(dict(router=router, cached_tok_s=new_tokens / cached,
+                                      recompute_tok_s=new_tokens / recomputed))
+        print(f"| {router} | {new_tokens / cached:.1f} | {new_tokens / recomputed:.1f} | {recomputed / cached:.1f}x |")
+    print(f"\nseqtopk / topk cached decode speed: {speed['seqtopk'] / speed['topk']:.3f}")
+    print(f"\n### Cached decoding at a given context ({steps_at_context} steps timed; caches measured after them)\n")
+    print("| context | topk tok/s | seqtopk tok/s | seqtopk / topk | KV cache | Expert Cache | Expert / KV |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for context in ctx_list:
+        tok_s = {}
+        for router in ('topk', 'seqtopk'):
+            step, cache = decode_step_seconds(build(router, shape).eval(), context, steps_at_context)
+            tok_s[router] = 1 / step
+        kv, expert = cache.nbytes('kv'), cache.nbytes('expert')  # from the seqtopk run
+        results['decode_context'].append(dict(context=context, topk_tok_s=tok_s['topk'], seqtopk_tok_s=tok_s['seqtopk'],
+                                              kv_cache_bytes=kv, expert_cache_bytes=expert))
+        print(f"| {context} | {tok_s['topk']:.1f} | {tok_s['seqtopk']:.1f} | {tok_s['seqtopk'] / tok_s['topk']:.3f} "
+              f"| {kv / 2**20:.2f} MiB | {expert / 2**10:.1f} KiB | {expert / kv:.2%} |")
+
+
+def main():
+    if what not in ('all', 'train', 'moe', 'decode'):
+        raise SystemExit(f"error: --what must be all, train, moe or decode, got '{what}'")
+    if device_type == 'cuda' and not torch.cuda.is_available():
+        raise SystemExit("error: --device=cuda but no CUDA GPU is visible")
+    if device_type == 'cuda':
+        torch.backends.cuda.matmul.allow_tf32 = True
+    name = torch.cuda.get_device_name(device) if device_type == 'cuda' else f'CPU, {torch.get_num_threads()} threads'
+    results = dict(device=name, dtype=dtype, compile=compile, torch=torch.__version__,
+                   date=time.strftime('%Y-%m-%d'), train=[], moe=[], decode=[], decode_context=[])
+    print(f"seqmoe bench on {name}, {dtype}, compile={compile}, torch {torch.__version__}, {results['date']}")
+    for section, fn in (('train', bench_train), ('moe', bench_moe), ('decode', bench_decode)):
+        if what in ('all', section):
+            fn(results)
+    if json_out:
+        with open(json_out, 'w') as f:
+            json.dump(results, f, indent=2)
+        print(f"\nwrote {json_out}")
+
+
+if __name__ == '__main__':
+    main()
