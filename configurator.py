@@ -15,6 +15,8 @@ def _parse(key, raw, default):
         value = literal_eval(raw)
     except (ValueError, SyntaxError):
         value = raw  # a bare word such as --router=seqtopk is a string
+    if isinstance(default, str) and not isinstance(value, str):
+        value = raw  # --top_ks=8,4,2 is the string '8,4,2', not a tuple
     if isinstance(default, bool) or isinstance(value, bool):
         if not isinstance(value, bool) or not isinstance(default, bool):
             raise SystemExit(f"error: --{key} takes True or False, got '{raw}'")

@@ -52,10 +52,10 @@ def colored(ids, experts, decode, top_k):
     for i, token in enumerate(ids):
         text = decode([token])
         if i < len(experts):
-            level = round(4.5 + 4.5 * max(-1.0, min(1.0, (experts[i] - top_k) / max(top_k, 1))))
+            level = min(9, int(5 + 4.5 * max(-1.0, min(1.0, (experts[i] - top_k) / max(top_k, 1)))))
             text = f"\033[48;5;{palette[level]}m\033[38;5;16m{text}\033[0m"
         out.append(text)
-    legend = ' '.join(f"\033[48;5;{palette[round(4.5 + 4.5 * f)]}m\033[38;5;16m {top_k * (1 + f):.1f} \033[0m"
+    legend = ' '.join(f"\033[48;5;{palette[min(9, int(5 + 4.5 * f))]}m\033[38;5;16m {top_k * (1 + f):.1f} \033[0m"
                       for f in (-1, -0.5, 0, 0.5, 1))
     return ''.join(out) + f"\n[experts per token: {legend}]"
 

@@ -92,7 +92,7 @@ def main():
                 if kind == 'training-free':
                     args.append('--eval_only=True')
                 final = train(os.path.join(out_root, name), *args)
-                runs.append(dict(name=name, router=router, kind=kind, top_k=k, seed=seed, **final))
+                runs.append(dict(final, name=name, kind=kind, seed=seed))
                 finals.append(final)
             n_exp = finals[0]['n_exp']
             offline, offline_mean = mean_std([f['val_ce_offline'] for f in finals])

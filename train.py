@@ -78,10 +78,10 @@ dtype = 'auto'                  # 'auto', 'float32', 'bfloat16', 'float16'
 compile = False
 seed = 1337
 # -----------------------------------------------------------------------------
-t_begin = time.time()
 overridden = apply_overrides(globals(), sys.argv[1:])
 config = {k: globals()[k] for k in sorted(globals()) if not k.startswith('_') and
           isinstance(globals()[k], (int, float, bool, str)) and k not in ('overridden',)}
+t_begin = time.time()
 MODEL_KEYS = [f.name for f in fields(GPTConfig)]
 ROUTING_KEYS = {'router', 'top_k', 'seq_min_k', 'seq_max_k', 'norm_topk_prob', 'aux_loss_weight', 'z_loss_weight',
                 'threshold_decay', 'relu_l1_init', 'relu_l1_step', 'moe_impl', 'dropout', 'seq_causal',
