@@ -75,15 +75,18 @@ def plot_all(runs, out):
     for i, run in enumerate(runs):
         hist = [sum(col) for col in zip(*(l['experts_hist'] for l in run['final']['layers']))]
         total = sum(hist) or 1
-        ax.bar([c + i * width for c in range(len(hist))], [h / total for h in hist], width=width, label=run['label'])
+        offset = (i - (len(runs) - 1) / 2) * width  # bars of the runs side by side around each count
+        ax.bar([c + offset for c in range(len(hist))], [h / total for h in hist], width=width, label=run['label'])
     written.append(save(fig, ax, out, 'experts_histogram.png'))
 
     fig, ax = figure('Experts per token by position (final eval)', 'position in the sequence', 'mean experts per token')
     for run in runs:
-        for key, suffix in (('val_experts_by_position', ''), ('val_causal_experts_by_position', ' online'),
-                            ('val_offline_experts_by_position', ' offline')):
-            if key in run['final'] and not (suffix == ' offline' and 'val_causal_experts_by_position' not in run['final']):
-                ax.plot(run['final'][key], label=run['label'] + suffix)
+        final = run['final']
+        if 'val_causal_experts_by_position' in final:  # seqtopk: online (causal) and offline routing
+            ax.plot(final['val_causal_experts_by_position'], label=run['label'] + ' online')
+            ax.plot(final['val_offline_experts_by_position'], label=run['label'] + ' offline', alpha=0.6)
+        else:
+            ax.plot(final['val_experts_by_position'], label=run['label'])
     written.append(save(fig, ax, out, 'experts_by_position.png'))
 
     fig, ax = figure('Experts per token vs predictive entropy (final eval)', 'predictive entropy H / log V',

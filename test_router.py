@@ -499,3 +499,52 @@ def test_torch_compile_trains_with_every_router_like_eager(router):
     (ce + aux['aux_loss']).backward()
     assert ce.item() == pytest.approx(eager_ce.item(), rel=1e-4)
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+# -----------------------------------------------------------------------------
+# experiments: plots from logs, sweeps
+
+def synthetic_run(path, router, T=8, layers=2, N=4):
+    """A log.jsonl shaped like train.py's, with made-up numbers (no training needed)."""
+    import json
+    path.mkdir()
+    def layer(i):
+        return dict(experts_mean=2.0, experts_min=1, experts_max=3, experts_hist=[0, 10, 20, 10, 0],
+                    load=[10, 20, 30, 20], load_var=50.0, load_cv=0.35 - 0.05 * i, dead_experts=0, entropy=0.9 + 0.01 * i)
+    records = [dict(event='start', model_args=dict(router=router, top_k=2, n_exp=N))]
+    for it in (0, 10, 20):
+        rec = dict(event='eval', iter=it, layers=[layer(i) for i in range(layers)], val_ce=3.0 - it / 100,
+                   val_experts_by_position=[2.0] * T, val_experts_by_entropy=[1.5, 2.0, 2.5, 0.0],
+                   val_tokens_by_entropy=[5, 10, 5, 0])
+        if router == 'seqtopk':
+            rec.update(val_causal_experts_by_position=[2 + 0.1 * t for t in range(T)],
+                       val_offline_experts_by_position=[2.0] * T)
+        records.append(rec)
+    (path / 'log.jsonl').write_text('\n'.join(json.dumps(r) for r in records) + '\n')
+
+
+def test_plots_are_written_from_logs_alone(tmp_path):
+    import plot
+    synthetic_run(tmp_path / 'a', 'topk')
+    synthetic_run(tmp_path / 'b', 'seqtopk')
+    plot.main([str(tmp_path / 'a'), str(tmp_path / 'b')])
+    for name in ('load_variance', 'entropy_per_layer', 'experts_histogram', 'experts_by_position', 'experts_by_entropy'):
+        png = tmp_path / f'{name}.png'
+        assert png.exists() and png.read_bytes()[:8] == b'\x89PNG\r\n\x1a\n' and png.stat().st_size > 5000
+    with pytest.raises(SystemExit, match='no log.jsonl'):
+        plot.main([str(tmp_path / 'missing')])
+
+
+def test_finetune_sweep_pretrains_topk_then_finetunes_and_evaluates_training_free(workdir):
+    import json
+    result = run('sweep.py', '--out_root=sweep', '--finetune=True', '--top_ks=2', '--seeds=1', '--pretrain_k=2',
+                 '--pretrain_iters=10', '--max_iters=5',
+                 f"--train_args={os.path.join(REPO, 'config', 'tiny.py')} --eval_interval=5", cwd=workdir)
+    assert result.returncode == 0, result.stderr + result.stdout
+    table = [line for line in result.stdout.splitlines() if line.startswith('| ')]
+    assert len(table) == 2 + 3 and 'seqtopk (training-free)' in result.stdout
+    summary = json.load(open(workdir / 'sweep' / 'sweep.json'))
+    free = next(r for r in summary['runs'] if r['kind'] == 'training-free')
+    assert free['eval_only'] and free['iter'] == 0 and free['router'] == 'seqtopk'
+    tuned = next(r for r in summary['runs'] if r['kind'] == 'train' and r['router'] == 'seqtopk')
+    assert tuned['iter'] == 5 and tuned['init_from'].endswith('ckpt.pt') and tuned['val_ce_causal'] is not None
