@@ -117,7 +117,7 @@ torch.manual_seed(seed)
 torch.backends.cuda.matmul.allow_tf32 = True
 torch.backends.cudnn.allow_tf32 = True
 ptdtype = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}[dtype]
-ctx = nullcontext() if device_type == 'cpu' else torch.autocast(device_type=device_type, dtype=ptdtype)
+ctx = nullcontext() if device_type == 'cpu' or dtype == 'float32' else torch.autocast(device_type=device_type, dtype=ptdtype)
 os.makedirs(out_dir, exist_ok=True)
 
 # -----------------------------------------------------------------------------
@@ -321,7 +321,8 @@ while True:
 
     if (iter_num % eval_interval == 0 or iter_num >= max_iters) and master_process:
         losses, layers = estimate_loss()
-        causal = (f" (offline {losses['val_offline']['ce']:.4f}, causal {losses['val_causal']['ce']:.4f})"
+        causal = (f" (offline {losses['val_offline']['ce']:.4f}, causal {losses['val_causal']['ce']:.4f}, "
+                  f"worst causal prefix overspend {losses['val_causal']['prefix_overspend']:+d} experts)"
                   if 'val_causal' in losses else '')
         print(f"step {iter_num}: train ce {losses['train']['ce']:.4f}, val ce {losses['val']['ce']:.4f}{causal}, "
               f"val aux {losses['val']['aux']:.4f} | experts/token " +
