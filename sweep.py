@@ -10,8 +10,8 @@ so an interrupted sweep continues where it stopped.
 Prints a Markdown table (router, K, K/N, val cross-entropy mean +- std over seeds with offline and
 causal routing, experts per token, wall time) and writes sweep.json / sweep.csv into out_root.
 With finetune=True the sweep first pretrains one TopK model (pretrain_k, pretrain_iters) and every
-run starts from it (train.py --init_from=<its checkpoint>); the table then also has a row per K for
-"training-free" SeqTopK: the TopK checkpoint evaluated with seqtopk routing and no training.
+run starts from it (train.py --init_from=<its checkpoint>); the table then also has "training-free"
+rows per router and K: the TopK checkpoint evaluated with that routing and no training.
 """
 import csv
 import json
@@ -80,8 +80,8 @@ def main():
         base = os.path.join(base_dir, 'ckpt.pt')
     for k in [int(k) for k in top_ks.split(',')]:
         kinds = [(r, 'train') for r in routers.split(',')]
-        if finetune and 'seqtopk' in routers.split(','):
-            kinds.append(('seqtopk', 'training-free'))
+        if finetune:  # the pretrained TopK checkpoint evaluated with each router at this K, no training
+            kinds += [(r, 'training-free') for r in routers.split(',')]
         for router, kind in kinds:
             finals = []
             for seed in [int(s) for s in seeds.split(',')]:

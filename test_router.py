@@ -546,7 +546,7 @@ def test_finetune_sweep_pretrains_topk_then_finetunes_and_evaluates_training_fre
                  f"--train_args={os.path.join(REPO, 'config', 'tiny.py')} --eval_interval=5", cwd=workdir)
     assert result.returncode == 0, result.stderr + result.stdout
     table = [line for line in result.stdout.splitlines() if line.startswith('| ')]
-    assert len(table) == 2 + 3 and 'seqtopk (training-free)' in result.stdout
+    assert len(table) == 2 + 4 and 'seqtopk (training-free)' in result.stdout
     summary = json.load(open(workdir / 'sweep' / 'sweep.json'))
     free = next(r for r in summary['runs'] if r['kind'] == 'training-free')
     assert free['eval_only'] and free['iter'] == 0 and free['router'] == 'seqtopk'
