@@ -548,7 +548,7 @@ def test_finetune_sweep_pretrains_topk_then_finetunes_and_evaluates_training_fre
     table = [line for line in result.stdout.splitlines() if line.startswith('| ')]
     assert len(table) == 2 + 4 and 'seqtopk (training-free)' in result.stdout
     summary = json.load(open(workdir / 'sweep' / 'sweep.json'))
-    free = next(r for r in summary['runs'] if r['kind'] == 'training-free')
+    free = next(r for r in summary['runs'] if r['kind'] == 'training-free' and r['router'] == 'seqtopk')
     assert free['eval_only'] and free['iter'] == 0 and free['router'] == 'seqtopk'
     tuned = next(r for r in summary['runs'] if r['kind'] == 'train' and r['router'] == 'seqtopk')
     assert tuned['iter'] == 5 and tuned['init_from'].endswith('ckpt.pt') and tuned['val_ce_causal'] is not None
