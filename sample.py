@@ -48,15 +48,16 @@ def colored(ids, experts, decode, top_k):
     """Text with each token's background coloured by its expert count: blue below top_k, white at
     top_k, red above (ANSI 256 colours; the last token, never fed back, is uncoloured)."""
     palette = [21, 27, 33, 39, 45, 231, 217, 210, 203, 196]  # blue .. white .. red
+
+    def paint(text, f):  # f in [-1, 1]: how far below (-) or above (+) top_k, relative to top_k
+        return f"\033[48;5;{palette[min(9, int(5 + 4.5 * f))]}m\033[38;5;16m{text}\033[0m"
     out = []
     for i, token in enumerate(ids):
         text = decode([token])
         if i < len(experts):
-            level = min(9, int(5 + 4.5 * max(-1.0, min(1.0, (experts[i] - top_k) / max(top_k, 1)))))
-            text = f"\033[48;5;{palette[level]}m\033[38;5;16m{text}\033[0m"
+            text = paint(text, max(-1.0, min(1.0, (experts[i] - top_k) / max(top_k, 1))))
         out.append(text)
-    legend = ' '.join(f"\033[48;5;{palette[min(9, int(5 + 4.5 * f))]}m\033[38;5;16m {top_k * (1 + f):.1f} \033[0m"
-                      for f in (-1, -0.5, 0, 0.5, 1))
+    legend = ' '.join(paint(f" {top_k * (1 + f):.1f} ", f) for f in (-1, -0.5, 0, 0.5, 1))
     return ''.join(out) + f"\n[experts per token: {legend}]"
 
 
