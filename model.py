@@ -27,7 +27,8 @@ class GPTConfig:
     n_exp: int = 8             # experts per MoE layer
     top_k: int = 2             # experts per token (the average, for sequence-level routers)
     exp_dim: int = 256         # hidden width of each expert
-    moe_every: int = 1         # every moe_every-th block is MoE, the others dense (1 = all MoE)
+    moe_every: int = 1         # every moe_every-th block is MoE, the others dense (1 = all MoE, 0 = none)
+    mlp_dim: int = 0           # hidden width of the dense FFN blocks (0 = 4 * n_embd)
     router: str = 'topk'       # one of router.ROUTERS
     seq_min_k: int = 1         # seqtopk per-token lower bound
     seq_max_k: int = 0         # seqtopk per-token upper bound; 0 = top_k + 2, n_exp = unbounded
@@ -102,8 +103,9 @@ class MLP(nn.Module):
 
     def __init__(self, config):
         super().__init__()
-        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
-        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        width = config.mlp_dim or 4 * config.n_embd
+        self.c_fc = nn.Linear(config.n_embd, width, bias=config.bias)
+        self.c_proj = nn.Linear(width, config.n_embd, bias=config.bias)
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x):
@@ -184,7 +186,7 @@ class GPT(nn.Module):
             wte=nn.Embedding(config.vocab_size, config.n_embd),
             wpe=nn.Embedding(config.block_size, config.n_embd),
             drop=nn.Dropout(config.dropout),
-            h=nn.ModuleList([Block(config, moe=(i % config.moe_every == config.moe_every - 1))
+            h=nn.ModuleList([Block(config, moe=config.moe_every > 0 and i % config.moe_every == config.moe_every - 1)
                              for i in range(config.n_layer)]),
             ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
         ))

@@ -1,5 +1,5 @@
 """
-The paper's claims as tests. Run: python -m pytest -q test_router.py
+The paper's claims as tests. Run: python -m pytest -q
 """
 import itertools
 import os

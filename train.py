@@ -49,7 +49,8 @@ bias = False
 n_exp = 8
 top_k = 2
 exp_dim = 128
-moe_every = 1
+moe_every = 1                   # every moe_every-th block is MoE (1 = all, 0 = none: a dense GPT)
+mlp_dim = 0                     # width of the dense FFN blocks (0 = 4 * n_embd)
 router = 'topk'                 # topk | seqtopk | batchtopk | relu
 seq_min_k = 1
 seq_max_k = 0                   # 0 = top_k + 2 (the paper's default); n_exp = no upper bound
