@@ -38,7 +38,7 @@ class GPTConfig:
     threshold_decay: float = 0.99  # batchtopk: EMA decay of the evaluation threshold
     relu_l1_init: float = 1e-8     # relu: initial L1 coefficient lambda_0 (ReMoE default)
     relu_l1_step: float = 1.2      # relu: lambda's multiplicative step alpha (ReMoE default)
-    moe_impl: str = 'grouped'  # 'grouped' (one torch._grouped_mm) or 'loop' (a matmul per expert)
+    moe_impl: str = 'grouped'  # 'grouped' (torch._grouped_mm where it runs) or 'loop' (a matmul per expert)
     seq_causal: bool = False   # seqtopk: route every position by the online rule (as in decoding)
     seq_budget: str = 'plain'  # online seqtopk: 'plain' (the paper) or 'strict' (no prefix overspends)
 
@@ -60,12 +60,31 @@ class Cache:
 
     def __init__(self, n_layer):
         self.pos = 0  # tokens seen so far
-        self.layers = [dict() for _ in range(n_layer)]
+        self.layers = [LayerCache() for _ in range(n_layer)]
 
     def nbytes(self, kind):
         """Bytes held by the KV cache ('kv') or by the Expert Cache ('expert')."""
         keys = ('k', 'v') if kind == 'kv' else ('ranked', 'spent')
         return sum(layer[k].numel() * layer[k].element_size() for layer in self.layers for k in keys if k in layer)
+
+
+class LayerCache(dict):
+    """One layer's part of a Cache: name -> tensor, with time as dim 1."""
+
+    def append(self, name, new):
+        """Append new (B, T, ...) to self[name] along time and return the whole. It is a view of a
+        buffer that doubles when full, so a decoding step copies its own token, not the whole cache."""
+        old = self.get(name)
+        n, end = (0 if old is None else old.shape[1]), (0 if old is None else old.shape[1]) + new.shape[1]
+        buffer = self.get('buffer.' + name)
+        if buffer is None or buffer.shape[1] < end:
+            grown = new.new_empty(new.shape[0], max(end, 2 * n), *new.shape[2:])
+            if n:
+                grown[:, :n] = old
+            buffer = self['buffer.' + name] = grown
+        buffer[:, n:end] = new
+        self[name] = buffer[:, :end]
+        return self[name]
 
 
 class CausalSelfAttention(nn.Module):
@@ -80,17 +99,15 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x, cache=None):
         B, T, C = x.shape
-        q, k, v = self.c_attn(x).split(C, dim=2)
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head) for t in self.c_attn(x).split(C, dim=2))
         past = 0
         if cache is not None:  # KV cache: attend to every earlier token's keys and values too
-            if 'k' in cache:
-                past = cache['k'].shape[2]
-                k, v = torch.cat([cache['k'], k], dim=2), torch.cat([cache['v'], v], dim=2)
-            cache['k'], cache['v'] = k, v
+            past = cache['k'].shape[1] if 'k' in cache else 0
+            k, v = cache.append('k', k), cache.append('v', v)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, n_head, T, head size)
         dropout_p = self.dropout if self.training else 0
-        if past == 0:
-            y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+        if past == 0 or T == 1:  # a single new token may attend to every cached one
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=past == 0)
         else:  # query i sits at position past + i
             allowed = torch.arange(past + T, device=x.device) <= past + torch.arange(T, device=x.device)[:, None]
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=dropout_p)
@@ -112,30 +129,99 @@ class MLP(nn.Module):
         return self.dropout(self.c_proj(F.gelu(self.c_fc(x))))
 
 
-def grouped_matmul(x, w, counts, impl='grouped'):
-    """Rows of x grouped by expert (counts[e] rows for expert e, in order) times w[e]: (M, C) -> (M, H)."""
-    grouped_ok = (hasattr(torch, '_grouped_mm') and (x.device.type == 'cpu' or x.dtype == torch.bfloat16)
-                  and x.shape[1] * x.element_size() % 16 == 0 and w.shape[2] * x.element_size() % 16 == 0)
-    if impl == 'grouped' and grouped_ok:  # the kernel needs 16-byte rows; on CUDA it is bf16-only
-        return torch._grouped_mm(x, w.to(x.dtype), offs=counts.cumsum(0).to(torch.int32))
-    # fallback: one matmul per expert (a loop over experts, never over tokens)
-    return torch.cat([xe @ we.to(x.dtype) for xe, we in zip(x.split(counts.tolist()), w)])
+# -----------------------------------------------------------------------------
+# The expert matmuls, as two custom ops: torch.compile traces through them (their fake kernels give
+# the output shapes), so the model compiles to one graph, and in eager mode each picks its kernel.
+
+def grouped_kernel_ok(*mats):
+    """torch._grouped_mm takes any float dtype on CPU, bf16 on CUDA, and needs 16-byte aligned rows
+    (or columns, for a transposed operand)."""
+    return hasattr(torch, '_grouped_mm') and all(
+        (m.device.type == 'cpu' or m.dtype == torch.bfloat16) and min(m.stride()[-2:]) == 1
+        and max(m.stride()[-2:]) * m.element_size() % 16 == 0 for m in mats)
 
 
-@torch.compiler.disable  # data-dependent group sizes: under torch.compile this one step runs eagerly
-def dispatch(x, mask, weights, w_fc, w_proj, impl='grouped'):
+def expert_groups(offs):
+    """(expert, first row, end row) of each non-empty group; a host sync, so only the fallback uses it."""
+    ends = offs.tolist()
+    return [(e, start, end) for e, (start, end) in enumerate(zip([0] + ends[:-1], ends)) if end > start]
+
+
+@torch.library.custom_op('seqmoe::grouped_mm', mutates_args=())
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, kernel: bool) -> torch.Tensor:
+    """Each expert's rows of x times its matrix: x (P, C) grouped by expert, w (N, C, H) -> (P, H)."""
+    # on CPU with fewer rows than experts (decoding) a matmul per non-empty group beats the kernel's
+    # matmul per expert; otherwise the kernel wherever it runs
+    if kernel and grouped_kernel_ok(x, w) and (x.device.type != 'cpu' or x.shape[0] >= w.shape[0]):
+        return torch._grouped_mm(x, w, offs=offs)
+    out = x.new_empty(x.shape[0], w.shape[2])
+    for e, start, end in expert_groups(offs):  # one matmul per expert with tokens
+        torch.mm(x[start:end], w[e], out=out[start:end])
+    return out
+
+
+@torch.library.custom_op('seqmoe::grouped_mm_weight_grad', mutates_args=())
+def grouped_mm_weight_grad(x: torch.Tensor, grad: torch.Tensor, offs: torch.Tensor, kernel: bool) -> torch.Tensor:
+    """The gradient of grouped_mm's w: each expert's x rows, transposed, times its grad rows -> (N, C, H)."""
+    if kernel and grouped_kernel_ok(x.t(), grad) and (x.device.type != 'cpu' or x.shape[0] >= offs.shape[0]):
+        return torch._grouped_mm(x.t(), grad, offs=offs)
+    out = x.new_zeros(offs.shape[0], x.shape[1], grad.shape[1])  # experts without tokens get zeros
+    for e, start, end in expert_groups(offs):
+        torch.mm(x[start:end].t(), grad[start:end], out=out[e])
+    return out
+
+
+@grouped_mm.register_fake
+def _(x, w, offs, kernel):
+    return x.new_empty(x.shape[0], w.shape[2])
+
+
+@grouped_mm_weight_grad.register_fake
+def _(x, grad, offs, kernel):
+    return x.new_empty(offs.shape[0], x.shape[1], grad.shape[1])
+
+
+def grouped_mm_setup(ctx, inputs, output):
+    x, w, offs, kernel = inputs
+    ctx.save_for_backward(x, w, offs)
+    ctx.kernel = kernel
+
+
+def grouped_mm_backward(ctx, grad):
+    x, w, offs = ctx.saved_tensors
+    grad = grad.contiguous()
+    grad_x = grouped_mm(grad, w.transpose(1, 2), offs, ctx.kernel) if ctx.needs_input_grad[0] else None
+    grad_w = grouped_mm_weight_grad(x, grad, offs, ctx.kernel) if ctx.needs_input_grad[1] else None
+    return grad_x, grad_w, None, None
+
+
+grouped_mm.register_autograd(grouped_mm_backward, setup_context=grouped_mm_setup)
+
+
+def dispatch(x, mask, weights, w_fc, w_proj, n_pairs=None, kernel=True):
     """The one path from any routing mask to expert outputs.
 
-    x: (M, C) tokens; mask, weights: (M, N), any number of experts per token;
-    w_fc: (N, C, H), w_proj: (N, H, C). Returns sum_i weights[:, i] * expert_i(x) of shape (M, C).
+    x: (M, C) tokens; mask, weights: (M, N), any number of experts per token; w_fc: (N, C, H),
+    w_proj: (N, H, C). Returns sum_i weights[:, i] * expert_i(x) of shape (M, C).
+    n_pairs: how many (token, expert) pairs the mask selects, when the router knows it in advance
+    (topk, offline seqtopk, batchtopk in training: M * top_k). Then every shape is fixed and nothing
+    waits on the device; None (relu, batchtopk's threshold, online seqtopk) counts them: one host sync.
+    kernel: use torch._grouped_mm where it can run, else one matmul per expert.
     """
-    expert_idx, token_idx = mask.t().nonzero(as_tuple=True)  # sorted by expert: one group each
-    if token_idx.numel() == 0:  # e.g. relu with every gate closed: the loop takes empty groups and
-        impl = 'loop'           # still puts every expert in the graph (zero gradients; DDP needs them)
-    counts = mask.sum(dim=0)
-    gate = weights.reshape(-1).index_select(0, token_idx * mask.shape[1] + expert_idx)
-    h = F.gelu(grouped_matmul(x.index_select(0, token_idx), w_fc, counts, impl))
-    y = grouped_matmul(h * gate.unsqueeze(-1), w_proj, counts, impl)  # scale the narrower h, not y
+    M, N = mask.shape
+    selected = mask.t().reshape(-1)  # expert-major: expert 0's tokens first, then expert 1's, ...
+    if n_pairs is None:
+        n_pairs = int(selected.sum())
+    # A selected pair's place in that order is a running count (no nonzero, no data-dependent shape);
+    # every unselected entry goes to one spare slot past the end, which is dropped.
+    place = torch.where(selected, selected.cumsum(0) - 1, n_pairs)
+    pair = torch.empty(n_pairs + 1, dtype=torch.long, device=x.device)
+    pair = pair.scatter_(0, place, torch.arange(N * M, device=x.device))[:n_pairs]
+    token_idx = pair % M
+    offs = mask.sum(0).cumsum(0).to(torch.int32)  # where each expert's group of rows ends
+    gate = weights.t().reshape(-1).index_select(0, pair)
+    h = F.gelu(grouped_mm(x.index_select(0, token_idx), w_fc, offs, kernel))
+    y = grouped_mm(h * gate.unsqueeze(-1), w_proj, offs, kernel)  # scale the narrower h, not y
     return torch.zeros_like(x).index_add_(0, token_idx, y)
 
 
@@ -154,8 +240,11 @@ class MoE(nn.Module):
         B, T, C = x.shape
         N = self.config.n_exp
         mask, weights, scores, aux_loss = self.router(x, cache, causal)
-        y = dispatch(x.view(-1, C), mask.view(-1, N), weights.view(-1, N).to(x.dtype),
-                     self.w_fc, self.w_proj, self.config.moe_impl)
+        # the experts run in the autocast dtype (bf16 on GPUs); the router above stays in fp32
+        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+        y = dispatch(x.reshape(-1, C).to(dtype), mask.view(-1, N), weights.view(-1, N).to(dtype),
+                     self.w_fc.to(dtype), self.w_proj.to(dtype), self.router.fixed_pairs(B * T, causal),
+                     kernel=self.config.moe_impl == 'grouped')
         return self.dropout(y.view(B, T, C)), aux_loss, (mask, scores)
 
 

@@ -65,25 +65,38 @@ def online_seqtopk_mask(scores, k, min_k=1, max_k=None, past=None, spent=None, s
     Returns the mask (B, T, N), the new rows sorted (to append to the cache) and the new spent."""
     B, T, N = scores.shape
     min_k, max_k = seqtopk_bounds(k, N, min_k, max_k)
+    R = max_k - min_k  # the candidates of a token: its entries of rank [min_k, max_k)
     P = 0 if past is None else past.shape[1]
     spent = torch.zeros(B, dtype=torch.long, device=scores.device) if spent is None else spent
     ranked, order = scores.sort(dim=-1, descending=True, stable=True)
-    candidates = ranked[..., min_k:max_k]  # (B, T, R): the entries a token competes for
-    prefix = candidates if past is None else torch.cat([past[..., min_k:max_k], candidates], dim=1)
-    position = torch.arange(P + 1, P + T + 1, device=scores.device)  # m, 1-based
-    # A candidate of token m is taken iff fewer than m*(k - min_k) prefix candidates precede it:
-    # those of earlier tokens scoring >= it (earlier tokens win ties, as in seqtopk_mask) and the
-    # token's own better-ranked ones. Rows are compared in chunks to bound memory.
-    rank_in_token = torch.arange(max_k - min_k, device=scores.device)
-    extra = torch.empty(B, T, dtype=torch.long, device=scores.device)
-    chunk = max(1, 2 ** 24 // max(1, B * (P + T) * (max_k - min_k) ** 2))
-    for t0 in range(0, T, chunk):
-        new = candidates[:, t0:t0 + chunk]                                  # (B, c, R)
-        earlier = (torch.arange(P + T, device=scores.device) < position[t0:t0 + chunk, None] - 1)
-        beaten_by = (prefix[:, None, None, :, :] >= new[..., None, None])    # (B, c, R, P+T, R)
-        beaten_by = (beaten_by & earlier[None, :, None, :, None]).sum(dim=(-1, -2)) + rank_in_token
-        extra[:, t0:t0 + chunk] = (beaten_by < position[t0:t0 + chunk, None] * (k - min_k)).sum(-1)
-    counts = extra + min_k
+    candidates = ranked[..., min_k:max_k]                                   # (B, T, R)
+    position = torch.arange(P + 1, P + T + 1, device=scores.device)         # m, 1-based
+    # A candidate of token m is taken iff fewer than m*(k - min_k) candidates of tokens 1..m come
+    # before it: earlier tokens' scoring >= it (earlier tokens win ties, as in seqtopk_mask) and the
+    # token's own better-ranked ones. `before` counts them, plus the candidate itself.
+    if T == 1:  # a decoding step: of the new candidates, its own better-ranked ones and itself
+        before = torch.arange(1, R + 1, device=scores.device)
+    else:  # sort the new candidates once in that order (a stable sort of the token-major flattening
+        # breaks ties by token, then rank): those before a candidate of token m are then a running
+        # count of the ones of tokens <= m, linear in T per token instead of comparing every pair
+        ordered = candidates.reshape(B, T * R).sort(dim=-1, descending=True, stable=True).indices
+        token_of = ordered // R
+        place = torch.empty_like(ordered).scatter_(-1, ordered, torch.arange(T * R, device=scores.device).expand(B, -1))
+        place = place.view(B, T, R)
+        before = torch.empty(B, T, R, dtype=torch.long, device=scores.device)
+        chunk = max(1, 2 ** 24 // max(1, B * T * R))  # bounds the (B, chunk, T*R) running counts
+        for t0 in range(0, T, chunk):
+            t = torch.arange(t0, min(T, t0 + chunk), device=scores.device)
+            running = (token_of[:, None, :] <= t[None, :, None]).cumsum(dim=-1)
+            before[:, t0:t0 + chunk] = running.gather(-1, place[:, t0:t0 + chunk])
+    if P:  # the Expert Cache's tokens are all earlier: count their candidates scoring >= each one
+        cached = past[..., min_k:max_k].reshape(B, 1, 1, P * R)
+        chunk = max(1, 2 ** 24 // max(1, B * P * R * R))  # bounds the (B, chunk, R, P*R) comparison
+        cached_ge = [torch.count_nonzero(cached >= candidates[:, t0:t0 + chunk, :, None], dim=-1)
+                     for t0 in range(0, T, chunk)]
+        before = before + (cached_ge[0] if len(cached_ge) == 1 else torch.cat(cached_ge, dim=1))
+    budget = (P + 1) * (k - min_k) if T == 1 else (position * (k - min_k))[:, None]
+    counts = (before <= budget).sum(dim=-1) + min_k
     if strict:  # spent_m = min(spent_{m-1} + count_m, m*k), in closed form: a cumulative min
         total = counts.cumsum(dim=1)
         slack = torch.cat([spent[:, None], position * k - total], dim=1).cummin(dim=1).values
@@ -148,6 +161,14 @@ class Router(nn.Module):
         self.register_buffer('l1_coef', torch.tensor(float(config.relu_l1_init)))
         self.register_buffer('active_frac', torch.tensor(config.top_k / config.n_exp))
 
+    def fixed_pairs(self, n_tokens, causal=False):
+        """How many (token, expert) pairs the selection of n_tokens makes, when that is known before it
+        runs (the exact budgets), else None. The dispatch then runs with static shapes and no sync."""
+        cfg = self.config
+        exact = (cfg.router == 'topk' or (cfg.router == 'seqtopk' and not causal)
+                 or (cfg.router == 'batchtopk' and self.training))
+        return n_tokens * cfg.top_k if exact else None
+
     def select(self, scores, cache=None, causal=False):
         cfg = self.config
         if cfg.router == 'topk':
@@ -165,7 +186,7 @@ class Router(nn.Module):
                 ranked = scores.sort(dim=-1, descending=True, stable=True).values
                 spent = mask.sum(dim=(1, 2)) + (0 if spent is None else spent)
             if cache is not None:  # the Expert Cache: every token's ranked scores, and experts spent
-                cache['ranked'] = ranked if past is None else torch.cat([past, ranked], dim=1)
+                cache.append('ranked', ranked)
                 cache['spent'] = spent
             return mask
         # batchtopk

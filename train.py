@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from configurator import apply_overrides
+from configurator import apply_overrides, keep_freed_cpu_memory
 from model import GPT, GPTConfig
 from router import routing_stats
 
@@ -115,10 +115,11 @@ if device_type == 'cuda' and not torch.cuda.is_available():
     fail("device=cuda but no CUDA GPU is visible; use --device=cpu")
 lr_decay_iters = lr_decay_iters or max_iters
 torch.manual_seed(seed)
+keep_freed_cpu_memory()
 torch.backends.cuda.matmul.allow_tf32 = True
 torch.backends.cudnn.allow_tf32 = True
 ptdtype = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}[dtype]
-ctx = nullcontext() if device_type == 'cpu' or dtype == 'float32' else torch.autocast(device_type=device_type, dtype=ptdtype)
+ctx = nullcontext() if dtype == 'float32' else torch.autocast(device_type=device_type, dtype=ptdtype)
 os.makedirs(out_dir, exist_ok=True)
 
 # -----------------------------------------------------------------------------
