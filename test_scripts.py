@@ -20,7 +20,8 @@ import torch
 
 REPO = os.path.dirname(os.path.abspath(__file__))
 TINY = os.path.join(REPO, 'config', 'tiny.py')
-OFFLINE_ENV = dict(os.environ, HF_DATASETS_OFFLINE='1', HF_HUB_OFFLINE='1', PYTHONUNBUFFERED='1')
+# one thread: these tiny runs do not gain from more, and stay fast on a busy machine
+OFFLINE_ENV = dict(os.environ, HF_DATASETS_OFFLINE='1', HF_HUB_OFFLINE='1', PYTHONUNBUFFERED='1', OMP_NUM_THREADS='1')
 
 
 def run(script, *args, cwd, env=OFFLINE_ENV):
