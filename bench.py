@@ -14,6 +14,7 @@ MoE layer / dense FFN (fwd + bwd) <= 1.5 at 64 experts, top-8; long-context deco
 MoE / dense <= 1.3 and seqtopk / topk step time <= 1.02.
 """
 import json
+import re
 import statistics
 import sys
 import time
@@ -22,7 +23,8 @@ from contextlib import nullcontext
 import torch
 import torch.nn.functional as F
 
-from configurator import apply_overrides, keep_freed_cpu_memory
+from configurator import (Rule, apply_overrides, each, keep_freed_cpu_memory, non_negative_int, one_of,
+                          positive_int, validate)
 from model import GPT, GPTConfig, Cache, MoE
 
 # -----------------------------------------------------------------------------
@@ -48,7 +50,20 @@ prompt_tokens = 16
 contexts = '64,512,960'   # contexts at which per-step decode speed is measured
 steps_at_context = 64     # decode steps timed at each context
 # -----------------------------------------------------------------------------
+# what each setting may be (configurator.py), checked before anything runs
+RULES = dict(what=one_of('all', 'train', 'moe', 'decode'), dtype=one_of('float32', 'bfloat16'),
+             repeats=positive_int, seed=non_negative_int, train_steps=positive_int, moe_tokens=positive_int,
+             moe_embd=positive_int, moe_exp_dim=positive_int, moe_n_exp=positive_int, moe_top_k=positive_int,
+             decode_block_size=positive_int, new_tokens=positive_int, prompt_tokens=positive_int,
+             contexts=each(positive_int, int),
+             steps_at_context=positive_int,
+             device=Rule(lambda v: re.fullmatch(r'cpu|cuda(:\d+)?', v) is not None, 'cpu, cuda or cuda:N'))
+RELATIONS = [('moe_top_k', lambda c: c['moe_top_k'] <= c['moe_n_exp'], 'at most --moe_n_exp={moe_n_exp}'),
+             ('new_tokens', lambda c: c['prompt_tokens'] + c['new_tokens'] <= c['decode_block_size'],
+              'at most --decode_block_size={decode_block_size} minus --prompt_tokens={prompt_tokens}')]
 apply_overrides(globals(), sys.argv[1:])
+validate({k: v for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str))},
+         RULES, RELATIONS)
 ptdtype = {'float32': torch.float32, 'bfloat16': torch.bfloat16}[dtype]
 device_type = 'cuda' if device.startswith('cuda') else 'cpu'
 autocast = (lambda: torch.autocast(device_type=device_type, dtype=ptdtype)) if dtype != 'float32' else nullcontext
@@ -236,8 +251,6 @@ def bench_decode(results):
 
 
 def main():
-    if what not in ('all', 'train', 'moe', 'decode'):
-        raise SystemExit(f"error: --what must be all, train, moe or decode, got '{what}'")
     if device_type == 'cuda' and not torch.cuda.is_available():
         raise SystemExit("error: --device=cuda but no CUDA GPU is visible")
     if device_type == 'cuda':

@@ -5,25 +5,40 @@ preset files and --key=value arguments, in the order given:
     python train.py config/tiny.py --router=seqtopk --top_k=4
 
 apply_overrides(globals(), sys.argv[1:]) returns the set of keys that were overridden.
+
+Each script also states, right under its settings, what each one may be: a dict of rules from the
+small vocabulary below, and a list of relations between settings. validate() checks them before
+anything runs and stops at the first bad value with one line, e.g.
+
+    error: --batch_size=0 must be a positive integer
 """
+import difflib
+import math
 import os
+import re
 from ast import literal_eval
+from collections import namedtuple
+
+TYPE_NAMES = {bool: 'True or False', int: 'an integer', float: 'a number', str: 'text'}
 
 
 def _parse(key, raw, default):
+    if isinstance(default, float) and not isinstance(default, bool):
+        try:
+            return float(raw)  # also nan, inf and 1e999, so that validate() can say they must be finite
+        except ValueError:
+            pass
     try:
         value = literal_eval(raw)
     except (ValueError, SyntaxError):
         value = raw  # a bare word such as --router=seqtopk is a string
     if isinstance(default, str) and not isinstance(value, str):
         value = raw  # --top_ks=8,4,2 is the string '8,4,2', not a tuple
-    if isinstance(default, bool) or isinstance(value, bool):
-        if not isinstance(value, bool) or not isinstance(default, bool):
-            raise SystemExit(f"error: --{key} takes True or False, got '{raw}'")
-    elif isinstance(default, float) and isinstance(value, int):
-        value = float(value)
-    elif default is not None and type(value) is not type(default):
-        raise SystemExit(f"error: --{key} expects a value of type {type(default).__name__}, got '{raw}'")
+    if default is None:
+        return value
+    if isinstance(default, bool) != isinstance(value, bool) or (
+            not isinstance(default, bool) and type(value) is not type(default)):
+        raise SystemExit(f"error: --{key}={raw} must be {TYPE_NAMES[type(default)]}")
     return value
 
 
@@ -51,10 +66,62 @@ def apply_overrides(config, args):
         if not sep:
             raise SystemExit(f"error: write settings as --{key}=value")
         if key not in known:
-            raise SystemExit(f"error: unknown setting --{key}; the settings are the values at the top of the script")
+            close = difflib.get_close_matches(key, known, n=1)
+            raise SystemExit(f"error: unknown setting --{key}" + (f"; did you mean --{close[0]}?" if close else
+                             "; the settings are the values at the top of the script"))
         config[key] = _parse(key, raw, config[key])
         overridden.add(key)
     return overridden
+
+
+# -----------------------------------------------------------------------------
+# rules: what one setting may be, as (test, what to tell the user)
+
+Rule = namedtuple('Rule', 'test allowed')
+positive_int = Rule(lambda v: v >= 1, 'a positive integer')
+non_negative_int = Rule(lambda v: v >= 0, 'an integer >= 0')
+positive = Rule(lambda v: v > 0, 'a positive number')
+non_negative = Rule(lambda v: v >= 0, 'a number >= 0')
+fraction = Rule(lambda v: 0 <= v < 1, 'in [0, 1)')
+non_empty = Rule(lambda v: v != '', 'non-empty text')
+device_name = Rule(lambda v: re.fullmatch(r'auto|cpu|mps|cuda(:\d+)?', v) is not None,
+                   'auto, cpu, cuda, cuda:N or mps')
+
+
+def above(bound):
+    return Rule(lambda v: v > bound, f'greater than {bound}')
+
+
+def one_of(*choices):
+    return Rule(lambda v: v in choices, 'one of ' + ', '.join(choices))
+
+
+def each(rule, convert=str):
+    """A comma-separated list whose every item, after convert(), follows rule."""
+    return Rule(lambda v: all(rule.test(convert(item.strip())) for item in v.split(',')),
+                f'a comma-separated list, each item {rule.allowed}')
+
+
+def validate(config, rules, relations=()):
+    """Stop with one line at the first setting that is not finite, breaks its rule, or breaks a
+    relation (setting, test(config), what it must be: a format string over the config)."""
+    def stop(key, allowed):
+        value = config[key]
+        shown = repr(value) if isinstance(value, str) and not value.isprintable() else value  # stays one line
+        raise SystemExit(f"error: --{key}={shown} must be {allowed}")
+    for key, value in config.items():
+        if isinstance(value, float) and not math.isfinite(value):
+            stop(key, 'a finite number')
+    for key, rule in rules.items():
+        try:
+            ok = rule.test(config[key])
+        except (ValueError, TypeError):  # e.g. an item of a list that is not a number
+            ok = False
+        if not ok:
+            stop(key, rule.allowed)
+    for key, test, allowed in relations:
+        if not test(config):
+            stop(key, allowed.format(**config))
 
 
 def keep_freed_cpu_memory():

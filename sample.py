@@ -9,7 +9,8 @@ import sys
 
 import torch
 
-from configurator import apply_overrides
+import checkpoint as ckpt_io
+from configurator import apply_overrides, device_name, non_empty, non_negative, non_negative_int, one_of, positive_int, validate
 from model import GPT, GPTConfig
 from prepare import get_codec
 
@@ -26,7 +27,15 @@ use_cache = True           # decode with the KV cache and the Expert Cache (Fals
 prompt_routing = 'online'  # 'online': the prompt token by token, as generation; 'joint': as one sequence
 color = False              # colour each token by the experts it took, mean over MoE layers (paper Fig. 5b)
 # -----------------------------------------------------------------------------
+# what each setting may be (configurator.py), checked before anything runs
+RULES = dict(out_dir=non_empty, start=non_empty, num_samples=positive_int, max_new_tokens=positive_int,
+             temperature=non_negative, sample_top_k=non_negative_int, seed=non_negative_int, device=device_name,
+             prompt_routing=one_of('online', 'joint'))
+RELATIONS = [('prompt_routing', lambda c: c['prompt_routing'] == 'online' or c['use_cache'],
+              "'online' with --use_cache=False (recomputing would re-route the prompt)")]
 apply_overrides(globals(), sys.argv[1:])
+validate({k: v for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str))},
+         RULES, RELATIONS)
 
 
 def fail(message):
@@ -36,11 +45,14 @@ def fail(message):
 def load_model(out_dir, device):
     """The model and tokenizer meta from out_dir/ckpt.pt (loaded with weights_only=True)."""
     ckpt_path = os.path.join(out_dir, 'ckpt.pt')
-    if not os.path.exists(ckpt_path):
+    if not os.path.isfile(ckpt_path):
         fail(f"no checkpoint at {ckpt_path}; train one with `python train.py --out_dir={out_dir}`")
-    checkpoint = torch.load(ckpt_path, map_location=device, weights_only=True)
-    model = GPT(GPTConfig(**checkpoint['model_args']))
-    model.load_state_dict(checkpoint['model'])
+    checkpoint = ckpt_io.load(ckpt_path, device)
+    try:
+        model = GPT(GPTConfig(**checkpoint['model_args']))
+    except (ValueError, TypeError) as e:
+        fail(f"{ckpt_path} has model settings this code cannot build ({e})")
+    ckpt_io.load_weights(model, checkpoint, ckpt_path)
     return model.eval().to(device), checkpoint['meta']
 
 
@@ -63,12 +75,17 @@ def colored(ids, experts, decode, top_k):
 
 if __name__ == '__main__':
     device = ('cuda' if torch.cuda.is_available() else 'cpu') if device == 'auto' else device
+    if device.startswith('cuda') and not torch.cuda.is_available() or device == 'mps' and not torch.backends.mps.is_available():
+        fail(f"--device={device} is not available on this machine; use --device=cpu")
     torch.manual_seed(seed)
     model, meta = load_model(out_dir, device)
     encode, decode = get_codec(meta)
     if start.startswith('FILE:'):
-        with open(start[5:], encoding='utf-8') as f:
-            start = f.read()
+        try:
+            with open(start[5:], encoding='utf-8') as f:
+                start = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            fail(f"--start={start}: cannot read the prompt file ({getattr(e, 'strerror', None) or e})")
     try:
         start_ids = encode(start)
     except ValueError as e:

@@ -22,7 +22,8 @@ import time
 
 import numpy as np
 
-from configurator import apply_overrides
+from configurator import apply_overrides, each, non_empty, non_negative_int, one_of, positive_int, validate
+from router import ROUTERS
 
 # -----------------------------------------------------------------------------
 out_root = 'sweeps/cpu'
@@ -35,7 +36,13 @@ pretrain_k = 8
 pretrain_iters = 1500
 train_args = '--n_exp=32 --exp_dim=32 --eval_interval=500'  # passed to every train.py run
 # -----------------------------------------------------------------------------
+# what each setting may be (configurator.py), checked before anything runs; train.py checks train_args itself
+RULES = dict(out_root=non_empty, routers=each(one_of(*ROUTERS)), top_ks=each(positive_int, int),
+             seeds=each(non_negative_int, int), max_iters=positive_int, pretrain_k=positive_int,
+             pretrain_iters=positive_int)
 apply_overrides(globals(), sys.argv[1:])
+validate({k: v for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str))},
+         RULES)
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 

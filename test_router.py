@@ -447,20 +447,6 @@ def test_train_then_sample_produces_text(workdir):
     assert result.returncode != 0 and 'longer than the model' in result.stderr and 'Traceback' not in result.stderr
 
 
-@pytest.mark.parametrize("args,message", [
-    (['--router=top3'], "unknown router 'top3'"),
-    (['--top_k=9'], "top_k=9 must be between 1 and n_exp=8"),
-    (['--router=seqtopk', '--seq_min_k=3'], "bounds"),
-    (['--n_exp=many'], "expects a value of type int"),
-    (['--routr=topk'], "unknown setting --routr"),
-    (['--dataset=nothing_here'], "no data in data/nothing_here"),
-])
-def test_bad_settings_fail_at_start_with_one_line(workdir, args, message):
-    result = run('train.py', '--out_dir=bad', *args, cwd=workdir)
-    assert result.returncode != 0 and 'Traceback' not in result.stderr
-    assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1
-
-
 # -----------------------------------------------------------------------------
 # causal decoding: online SeqTopK, the Expert Cache and the KV cache
 

@@ -11,6 +11,8 @@ import json
 import math
 import os
 import pickle
+import shlex
+import signal
 import sys
 import time
 from contextlib import nullcontext
@@ -21,9 +23,11 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from configurator import apply_overrides, keep_freed_cpu_memory
+import checkpoint as ckpt_io
+from configurator import (Rule, above, apply_overrides, device_name, fraction, keep_freed_cpu_memory, non_empty,
+                          non_negative, non_negative_int, one_of, positive, positive_int, validate)
 from model import GPT, GPTConfig
-from router import routing_stats
+from router import ROUTERS, routing_stats
 
 # -----------------------------------------------------------------------------
 # I/O
@@ -79,9 +83,34 @@ dtype = 'auto'                  # 'auto', 'float32', 'bfloat16', 'float16'
 compile = False
 seed = 1337
 # -----------------------------------------------------------------------------
+# what each setting may be (configurator.py), checked before anything runs or out_dir is looked at
+RULES = dict(
+    out_dir=non_empty, eval_interval=positive_int, eval_iters=positive_int, log_interval=positive_int,
+    init_from=Rule(lambda v: v in ('scratch', 'resume') or os.path.isfile(v),
+                   "'scratch', 'resume' or the path of an existing ckpt.pt"),
+    dataset=non_empty, batch_size=positive_int, block_size=positive_int, gradient_accumulation_steps=positive_int,
+    n_layer=positive_int, n_head=positive_int, n_embd=positive_int, dropout=fraction, n_exp=positive_int,
+    top_k=positive_int, exp_dim=positive_int, moe_every=non_negative_int, mlp_dim=non_negative_int,
+    router=one_of(*ROUTERS), seq_min_k=non_negative_int, seq_max_k=non_negative_int,
+    aux_loss_weight=non_negative, z_loss_weight=non_negative, threshold_decay=fraction,
+    relu_l1_init=positive, relu_l1_step=above(1), moe_impl=one_of('grouped', 'loop'),
+    seq_budget=one_of('plain', 'strict'), learning_rate=positive, max_iters=non_negative_int,
+    weight_decay=non_negative, beta1=fraction, beta2=fraction, grad_clip=non_negative,
+    warmup_iters=non_negative_int, lr_decay_iters=non_negative_int, min_lr=non_negative,
+    device=device_name, dtype=one_of('auto', 'float32', 'bfloat16', 'float16'), seed=non_negative_int)
+RELATIONS = [('min_lr', lambda c: c['min_lr'] <= c['learning_rate'], 'at most --learning_rate={learning_rate}')]
+MODEL_RELATIONS = [  # on the model's settings: when resuming or fine-tuning, checked after the checkpoint's are merged
+    ('top_k', lambda c: c['top_k'] <= c['n_exp'], 'at most --n_exp={n_exp}'),
+    ('n_embd', lambda c: c['n_embd'] % c['n_head'] == 0, 'a multiple of --n_head={n_head}'),
+    ('seq_min_k', lambda c: c['router'] != 'seqtopk' or c['seq_min_k'] <= c['top_k'],
+     'at most --top_k={top_k} (the per-token bounds must contain top_k)'),
+    ('seq_max_k', lambda c: c['router'] != 'seqtopk' or c['seq_max_k'] == 0 or c['seq_max_k'] >= c['top_k'],
+     '0 (= top_k + 2) or at least --top_k={top_k} (the per-token bounds must contain top_k)'),
+]
 overridden = apply_overrides(globals(), sys.argv[1:])
 config = {k: globals()[k] for k in sorted(globals()) if not k.startswith('_') and
           isinstance(globals()[k], (int, float, bool, str)) and k not in ('overridden',)}
+validate(config, RULES, RELATIONS + (MODEL_RELATIONS if init_from == 'scratch' else []))
 t_begin = time.time()
 MODEL_KEYS = [f.name for f in fields(GPTConfig)]
 ROUTING_KEYS = {'router', 'top_k', 'seq_min_k', 'seq_max_k', 'norm_topk_prob', 'aux_loss_weight', 'z_loss_weight',
@@ -90,7 +119,7 @@ ROUTING_KEYS = {'router', 'top_k', 'seq_min_k', 'seq_max_k', 'norm_topk_prob', '
 
 
 def fail(message):
-    raise SystemExit(f"error: {message}")
+    raise SystemExit(f"error: {message}" if master_process else 1)  # under torchrun, rank 0 says it once
 
 
 # distributed data parallel when launched by torchrun: NCCL on GPUs, gloo on CPU
@@ -104,15 +133,18 @@ if ddp:
         device = f"cuda:{os.environ['LOCAL_RANK']}"
         torch.cuda.set_device(device)
     dist.init_process_group(backend='nccl' if device.startswith('cuda') else 'gloo')
-    if gradient_accumulation_steps % world_size:
-        fail(f"gradient_accumulation_steps={gradient_accumulation_steps} must be a multiple of the "
-             f"{world_size} processes (each runs gradient_accumulation_steps / {world_size})")
-    gradient_accumulation_steps //= world_size
+    if gradient_accumulation_steps > world_size and gradient_accumulation_steps % world_size:
+        fail(f"--gradient_accumulation_steps={gradient_accumulation_steps} must be a multiple of the {world_size} "
+             f"processes (each runs gradient_accumulation_steps / {world_size}), or at most {world_size}")
+    # the global count is divided across the ranks; below one each, every rank runs one micro-step
+    gradient_accumulation_steps = max(1, gradient_accumulation_steps // world_size)
 device_type = 'cuda' if device.startswith('cuda') else device
 if dtype == 'auto':
     dtype = 'bfloat16' if device_type == 'cuda' and torch.cuda.is_bf16_supported() else 'float32'
 if device_type == 'cuda' and not torch.cuda.is_available():
     fail("device=cuda but no CUDA GPU is visible; use --device=cpu")
+if device_type == 'mps' and not torch.backends.mps.is_available():
+    fail("device=mps but MPS is not available on this machine; use --device=cpu")
 lr_decay_iters = lr_decay_iters or max_iters
 torch.manual_seed(seed)
 keep_freed_cpu_memory()
@@ -120,7 +152,6 @@ torch.backends.cuda.matmul.allow_tf32 = True
 torch.backends.cudnn.allow_tf32 = True
 ptdtype = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}[dtype]
 ctx = nullcontext() if dtype == 'float32' else torch.autocast(device_type=device_type, dtype=ptdtype)
-os.makedirs(out_dir, exist_ok=True)
 
 # -----------------------------------------------------------------------------
 # data: the built-in datasets are prepared on first use, anything else must exist
@@ -129,7 +160,7 @@ if not os.path.exists(os.path.join(data_dir, 'train.bin')) and master_process:
     builtin = {'shakespeare_char': [], 'shakespeare': ['--tokenizer=gpt2']}
     if dataset not in builtin:
         fail(f"no data in {data_dir}/; make it with `python prepare.py --text=FILE` or "
-             f"`--dataset=HUB_NAME` (or use the built-in --dataset=shakespeare_char)")
+             f"`--dataset=HUB_NAME_OR_PATH` (or use the built-in --dataset=shakespeare_char)")
     print(f"preparing the built-in dataset '{dataset}' in {data_dir}/")
     import prepare
     prepare.main(builtin[dataset] + [f'--out_dir={data_dir}'])
@@ -168,18 +199,20 @@ ckpt_path = os.path.join(out_dir, 'ckpt.pt')
 source = None if init_from == 'scratch' else ckpt_path if init_from == 'resume' else init_from
 if source is not None:  # resume a run, or fine-tune (a new run) from another run's weights
     if not os.path.isfile(source):
-        fail(f"--init_from={init_from} but there is no checkpoint at {source} "
-             f"(use 'scratch', 'resume' or the path of a ckpt.pt)")
-    checkpoint = torch.load(source, map_location=device, weights_only=True)
+        fail(f"--init_from=resume but there is no checkpoint at {source}; "
+             f"start the run with --init_from=scratch, or give the --out_dir of the run to continue")
+    checkpoint = ckpt_io.load(source, device, ('model', 'model_args') + (
+        ('optimizer', 'iter_num', 'best_val_loss', 'batch_gen_state', 'torch_rng_state') if init_from == 'resume' else ()))
     for k, saved in checkpoint['model_args'].items():  # settings not given here come from the checkpoint
         if k in overridden and model_args.get(k) != saved and k not in ROUTING_KEYS:
             fail(f"{source} was trained with {k}={saved!r}, this run asks for {k}={model_args[k]!r}; "
                  f"drop --{k}, or train from scratch in another --out_dir")
         if k not in overridden:
             model_args[k] = saved
-    if checkpoint['model_args']['vocab_size'] != meta['vocab_size']:
-        fail(f"{source} has vocab_size={checkpoint['model_args']['vocab_size']}, but {data_dir} has "
-             f"{meta['vocab_size']}; use the dataset it was trained on (--dataset={checkpoint['dataset']})")
+    if checkpoint['model_args'].get('vocab_size') != meta['vocab_size']:
+        fail(f"{source} has vocab_size={checkpoint['model_args'].get('vocab_size')}, but {data_dir} has "
+             f"{meta['vocab_size']}; use the dataset it was trained on (--dataset={checkpoint.get('dataset')})")
+    validate(model_args, {}, MODEL_RELATIONS)
     if init_from == 'resume':
         iter_num, best_val_loss = checkpoint['iter_num'], checkpoint['best_val_loss']
 if init_from != 'resume' and os.path.exists(ckpt_path) and not overwrite and not eval_only:
@@ -190,13 +223,18 @@ try:
 except ValueError as e:
     fail(e)
 if checkpoint is not None:
-    model.load_state_dict(checkpoint['model'])
+    ckpt_io.load_weights(model, checkpoint, source)
 model.to(device)
 optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type)
 if init_from == 'resume':  # a fine-tune starts a fresh optimizer (and warmup) on the loaded weights
-    optimizer.load_state_dict(checkpoint['optimizer'])
-    batch_gen.set_state(checkpoint['batch_gen_state'])
-    torch.set_rng_state(checkpoint['torch_rng_state'])
+    try:
+        optimizer.load_state_dict(checkpoint['optimizer'])
+        batch_gen.set_state(checkpoint['batch_gen_state'])
+        torch.set_rng_state(checkpoint['torch_rng_state'])
+    except (ValueError, RuntimeError, TypeError, KeyError) as e:
+        fail(f"{source} has an optimizer or RNG state this run cannot restore ({type(e).__name__}); "
+             f"fine-tune from it instead: --init_from={source} --out_dir=ANOTHER_DIR")
+os.makedirs(out_dir, exist_ok=True)
 scaler = torch.amp.GradScaler(enabled=(dtype == 'float16' and device_type == 'cuda'))
 raw_model = model
 if compile:
@@ -218,7 +256,9 @@ def sync_router_state():
 if master_process:
     print(f"{cfg.router} routing, {cfg.top_k} of {cfg.n_exp} experts per token: "
           f"{raw_model.num_params() / 1e6:.2f}M parameters, {raw_model.num_params(active=True) / 1e6:.2f}M active; "
-          f"device {device}, {dtype}" + (f", {world_size} processes" if ddp else ''))
+          f"device {device}, {dtype}; global batch {batch_size * gradient_accumulation_steps * world_size} "
+          f"sequences = {batch_size} x {gradient_accumulation_steps} micro-steps" +
+          (f" x {world_size} processes" if ddp else ''))
 
 
 # -----------------------------------------------------------------------------
@@ -239,6 +279,8 @@ def evaluate(split, causal=None, entropy_bins=10):
             logits, loss, extra = model(X, Y, causal=causal)
         ce.append(loss.item())
         aux.append(float(extra['aux_loss']))
+        if not extra['routing']:  # a dense GPT (moe_every=0) routes nothing
+            continue
         masks = torch.stack([mask for mask, _ in extra['routing']]).cpu()  # (layers, B, T, N)
         per_token = masks.sum(-1)
         hist = hist + torch.stack([torch.bincount(c.flatten(), minlength=N + 1) for c in per_token])
@@ -252,10 +294,11 @@ def evaluate(split, causal=None, entropy_bins=10):
         bins = (entropy * entropy_bins).long().clamp(0, entropy_bins - 1).flatten()
         bin_count = bin_count + torch.bincount(bins, minlength=entropy_bins)
         bin_experts = bin_experts + torch.bincount(bins, weights=experts.flatten(), minlength=entropy_bins)
-    result = dict(ce=float(np.mean(ce)), aux=float(np.mean(aux)),
-                  experts_by_position=(by_position / eval_iters).tolist(),
-                  experts_by_entropy=(bin_experts / bin_count.clamp_min(1)).tolist(),
-                  tokens_by_entropy=bin_count.tolist(), prefix_overspend=overspend)
+    result = dict(ce=float(np.mean(ce)), aux=float(np.mean(aux)), prefix_overspend=overspend)
+    if routers:
+        result.update(experts_by_position=(by_position / eval_iters).tolist(),
+                      experts_by_entropy=(bin_experts / bin_count.clamp_min(1)).tolist(),
+                      tokens_by_entropy=bin_count.tolist())
     return result, hist, load
 
 
@@ -298,13 +341,46 @@ def log(record):
 
 
 def save_checkpoint():
-    """Write to a temporary file, then rename: a run killed mid-save keeps its last good checkpoint."""
-    ckpt = dict(model=raw_model.state_dict(), optimizer=optimizer.state_dict(),
-                model_args=asdict(raw_model.config), config=config, iter_num=iter_num,
-                best_val_loss=best_val_loss, meta=meta, dataset=dataset,
-                batch_gen_state=batch_state, torch_rng_state=torch.get_rng_state())
-    torch.save(ckpt, ckpt_path + '.tmp')
-    os.replace(ckpt_path + '.tmp', ckpt_path)
+    """Atomically (checkpoint.save): a run killed mid-save keeps its last good checkpoint."""
+    global saved_iter
+    ckpt_io.save(dict(model=raw_model.state_dict(), optimizer=optimizer.state_dict(),
+                      model_args=asdict(raw_model.config), config=config, iter_num=iter_num,
+                      best_val_loss=best_val_loss, meta=meta, dataset=dataset,
+                      batch_gen_state=batch_state, torch_rng_state=torch.get_rng_state()), ckpt_path)
+    saved_iter = iter_num
+
+
+def check_weights(step):
+    """Every rank, before evaluating or saving: non-finite weights are never evaluated or saved."""
+    bad = ckpt_io.non_finite(raw_model.state_dict())  # the same on every rank: DDP keeps the weights equal
+    if bad:
+        stop_diverged(step, f"the weights hold NaN or inf ({bad[0]})")
+
+
+def stop_diverged(step, what):
+    """Stop a run that went non-finite, writing nothing: ckpt.pt keeps the last good state."""
+    if master_process:
+        log(dict(event='diverged', iter=step, what=what))
+    if ddp:
+        dist.destroy_process_group()
+    if not master_process:
+        raise SystemExit(1)  # rank 0 says why
+    kept = (f"{ckpt_path} is left as it was (step {saved_iter}); lower --learning_rate (now {learning_rate:g}) "
+            f"and continue with --init_from=resume" if saved_iter is not None else
+            f"this run wrote no checkpoint; start again with a lower --learning_rate (now {learning_rate:g})")
+    fail(f"{what} at step {step}: the run diverged and stopped; {kept}")
+
+
+def request_stop(signum, frame):
+    """SIGTERM / SIGINT: the loop finishes the current step, saves, and exits (repeats are ignored)."""
+    global stop_signal
+    stop_signal = stop_signal or signal.Signals(signum).name
+
+
+def resume_command():
+    args = [a for a in sys.argv[1:] if not a.startswith(('--init_from=', '--overwrite='))]
+    launcher = f"torchrun --standalone --nproc_per_node={world_size}" if ddp else "python"
+    return f"{launcher} {shlex.join([sys.argv[0], *args, '--init_from=resume'])}"
 
 
 # -----------------------------------------------------------------------------
@@ -313,6 +389,10 @@ if init_from != 'resume' and not eval_only and master_process:
     open(os.path.join(out_dir, 'log.jsonl'), 'w').close()  # a new run starts a new log
     log(dict(event='start', config=config, model_args=asdict(cfg), params=raw_model.num_params(),
              active_params=raw_model.num_params(active=True)))
+saved_iter = checkpoint['iter_num'] if init_from == 'resume' else None  # this run's checkpoint in ckpt_path
+stop_signal = None  # set by request_stop
+signal.signal(signal.SIGTERM, request_stop)
+signal.signal(signal.SIGINT, request_stop)
 batch_state = batch_gen.get_state()  # the state that draws X, Y: a resumed run redraws the same batch
 X, Y = get_batch('train')
 t_start = t_last = time.time()
@@ -321,16 +401,20 @@ while True:
     for group in optimizer.param_groups:
         group['lr'] = lr
 
-    if (iter_num % eval_interval == 0 or iter_num >= max_iters) and master_process:
+    evaluating = iter_num % eval_interval == 0 or iter_num >= max_iters
+    if evaluating:
+        check_weights(iter_num)
+    if evaluating and master_process:
         losses, layers = estimate_loss()
         causal = (f" (offline {losses['val_offline']['ce']:.4f}, causal {losses['val_causal']['ce']:.4f}, "
                   f"worst causal prefix overspend {losses['val_causal']['prefix_overspend']:+d} experts)"
                   if 'val_causal' in losses else '')
+        routing = (" | experts/token " + ' '.join(f"{l['experts_mean']:.2f}[{l['experts_min']}-{l['experts_max']}]"
+                                                  for l in layers) +
+                   f" | load cv {np.mean([l['load_cv'] for l in layers]):.3f}, "
+                   f"entropy {np.mean([l['entropy'] for l in layers]):.3f}" if layers else '')
         print(f"step {iter_num}: train ce {losses['train']['ce']:.4f}, val ce {losses['val']['ce']:.4f}{causal}, "
-              f"val aux {losses['val']['aux']:.4f} | experts/token " +
-              ' '.join(f"{l['experts_mean']:.2f}[{l['experts_min']}-{l['experts_max']}]" for l in layers) +
-              f" | load cv {np.mean([l['load_cv'] for l in layers]):.3f}, "
-              f"entropy {np.mean([l['entropy'] for l in layers]):.3f}")
+              f"val aux {losses['val']['aux']:.4f}{routing}")
         log(dict(event='eval', iter=iter_num, lr=lr, time=time.time() - t_start, layers=layers, **{
             f'{split}_{k}': v for split, d in losses.items() for k, v in d.items()}))
         improved = losses['val']['ce'] < best_val_loss
@@ -340,18 +424,28 @@ while True:
     if iter_num >= max_iters or eval_only:
         break
 
+    step_loss = 0.0
     for micro_step in range(gradient_accumulation_steps):
         if ddp:  # gradients are all-reduced on the last micro-step only
             model.require_backward_grad_sync = micro_step == gradient_accumulation_steps - 1
         with ctx:
             _, ce, extra = model(X, Y)
             loss = (ce + extra['aux_loss']) / gradient_accumulation_steps
+        step_loss = step_loss + loss.detach()
         batch_state = batch_gen.get_state()
         X, Y = get_batch('train')  # fetch the next batch while the backward runs on GPU
         scaler.scale(loss).backward()
-    if grad_clip:
-        scaler.unscale_(optimizer)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    scaler.unscale_(optimizer)  # a no-op without fp16 loss scaling
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip or float('inf'))  # inf: measure only
+    # one small all-reduce: every rank learns whether any rank diverged or was signalled, so all stop at this step
+    finite = torch.isfinite(step_loss) & (torch.isfinite(grad_norm) | scaler.is_enabled())  # fp16: scaler skips infs
+    flags = torch.stack([~finite, torch.tensor(stop_signal is not None, device=finite.device)]).float()
+    if ddp:
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    diverged, stopping = flags.tolist()
+    if diverged:  # the step is not applied; nothing is saved
+        stop_diverged(iter_num + 1, f"the training loss is {float(step_loss):.4g}" if not torch.isfinite(step_loss) else
+                      f"the gradient norm is {float(grad_norm):.4g}" if not finite else "another process's loss is not finite")
     scaler.step(optimizer)
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
@@ -365,6 +459,16 @@ while True:
         aux = float(extra['aux_loss'].detach()) if torch.is_tensor(extra['aux_loss']) else 0.0
         print(f"iter {iter_num}: ce {ce.item():.4f}, aux {aux:.4f}, lr {lr:.2e}, {ms:.0f} ms/iter")
         log(dict(event='train', iter=iter_num, ce=ce.item(), aux=aux, lr=lr, ms_per_iter=ms))
+    if stopping:  # preempted (SIGTERM) or Ctrl-C (SIGINT): keep everything, exit cleanly
+        check_weights(iter_num)
+        if master_process:
+            save_checkpoint()
+            log(dict(event='stopped', iter=iter_num, signal=stop_signal))
+            print(f"{stop_signal or 'signal on another rank'}: stopped after step {iter_num} and saved {ckpt_path}; "
+                  f"continue with: {resume_command()}", flush=True)
+        if ddp:
+            dist.destroy_process_group()
+        sys.exit(0)
 
 if ddp:
     dist.destroy_process_group()
@@ -373,9 +477,11 @@ if master_process:  # the run's summary, also the last line of log.jsonl (sweep.
                    n_exp=cfg.n_exp, init_from=init_from, eval_only=eval_only, val_ce=losses['val']['ce'],
                    val_ce_offline=losses.get('val_offline', losses['val'])['ce'],
                    val_ce_causal=losses['val_causal']['ce'] if 'val_causal' in losses else None,
-                   **{k: float(np.mean([l[k] for l in layers])) for k in ('experts_mean', 'load_cv', 'entropy')})
+                   **{k: float(np.mean([l[k] for l in layers])) if layers else None
+                      for k in ('experts_mean', 'load_cv', 'entropy')})
     log(summary)
     causal = f", causal routing {summary['val_ce_causal']:.4f}" if 'val_causal' in losses else ''
-    print(f"done: {iter_num} iterations, {summary['time']:.0f}s; final val ce {summary['val_ce']:.4f}{causal}, "
-          f"experts/token {summary['experts_mean']:.2f}, load cv {summary['load_cv']:.3f}, "
-          f"entropy {summary['entropy']:.3f} (means over MoE layers)" + ('' if eval_only else f"; checkpoint in {ckpt_path}"))
+    routing = (f", experts/token {summary['experts_mean']:.2f}, load cv {summary['load_cv']:.3f}, "
+               f"entropy {summary['entropy']:.3f} (means over MoE layers)" if layers else " (a dense GPT, no routing)")
+    print(f"done: {iter_num} iterations, {summary['time']:.0f}s; final val ce {summary['val_ce']:.4f}{causal}"
+          f"{routing}" + (f"; checkpoint in {ckpt_path}" if saved_iter is not None else ''))

@@ -1,0 +1,87 @@
+"""
+Reading and writing ckpt.pt. Saves are atomic; loading (always with
+weights_only=True) turns any file that is not a complete seqmoe checkpoint into one line saying
+what is wrong with which file: empty, truncated, not a torch file, another project's (nanoGPT's),
+missing keys, weights that do not fit the model.
+"""
+import os
+import re
+import warnings
+from dataclasses import fields
+
+import torch
+
+from model import GPTConfig
+
+MODEL_KEYS = {f.name for f in fields(GPTConfig)}
+
+
+def non_finite(state_dict):
+    """Names of the floating-point tensors in state_dict holding a NaN or an inf."""
+    return [name for name, t in state_dict.items()
+            if torch.is_tensor(t) and t.is_floating_point() and not torch.isfinite(t).all()]
+
+
+def save(ckpt, path):
+    """Write to a temporary file, then rename: a run killed mid-save keeps its last good checkpoint."""
+    torch.save(ckpt, path + '.tmp')
+    os.replace(path + '.tmp', path)
+
+
+def _fail(path, why):
+    raise SystemExit(f"error: {path} {why}")
+
+
+def load(path, device, keys=('model', 'model_args', 'meta')):
+    """The checkpoint dict at path, with at least `keys`, or SystemExit with one line."""
+    if os.path.getsize(path) == 0:
+        _fail(path, "is empty, not a checkpoint")
+    with open(path, 'rb') as f:
+        zipped = f.read(4) == b'PK\x03\x04'  # what torch.save writes
+    try:
+        with warnings.catch_warnings():  # torch warns about odd pickles; the error below says enough
+            warnings.simplefilter('ignore')
+            ckpt = torch.load(path, map_location=device, weights_only=True)
+    except Exception as e:  # torch raises many kinds; what the user needs is which file and why
+        refused = re.search(r'Unsupported global: GLOBAL (\S+)', str(e))
+        if refused:
+            _fail(path, f"holds Python objects ({refused.group(1)}) that safe loading (weights_only=True) "
+                        f"refuses; it was not written by seqmoe's train.py")
+        if zipped:
+            _fail(path, "is truncated or corrupt (torch cannot read it as a checkpoint archive); "
+                        "use another checkpoint or train again")
+        _fail(path, "is not a torch checkpoint file; give a ckpt.pt written by train.py")
+    if not isinstance(ckpt, dict):
+        _fail(path, f"holds a {type(ckpt).__name__}, not a checkpoint; give a ckpt.pt written by train.py")
+    model_args = ckpt.get('model_args')
+    if isinstance(model_args, dict) and not {'n_exp', 'router'} <= set(model_args):
+        _fail(path, "is a dense GPT checkpoint from another project (nanoGPT?): its model_args have no "
+                    "n_exp or router; seqmoe loads only checkpoints written by its own train.py")
+    missing = [k for k in keys if k not in ckpt]
+    if missing:
+        _fail(path, f"is not a complete seqmoe checkpoint: it has no {', '.join(missing)} "
+                    f"(it has {', '.join(map(str, ckpt)) or 'nothing'})")
+    if 'model_args' in keys and (not isinstance(model_args, dict) or set(model_args) - MODEL_KEYS):
+        unknown = sorted(set(model_args) - MODEL_KEYS) if isinstance(model_args, dict) else ['(not a dict)']
+        _fail(path, f"has model settings this version does not know: {', '.join(unknown)}")
+    if 'meta' in keys and not (isinstance(ckpt['meta'], dict) and {'tokenizer', 'vocab_size'} <= set(ckpt['meta'])):
+        _fail(path, "has no tokenizer in its meta; give a ckpt.pt written by train.py")
+    if 'model' in keys:
+        if not isinstance(ckpt['model'], dict):
+            _fail(path, "has no weights (its 'model' is not a state dict)")
+        bad = non_finite(ckpt['model'])
+        if bad:
+            _fail(path, f"holds non-finite weights (NaN or inf in {bad[0]}); it cannot be used")
+    return ckpt
+
+
+def load_weights(model, ckpt, path):
+    """model.load_state_dict(ckpt['model']), or one line naming the keys that do not fit."""
+    try:
+        result = model.load_state_dict(ckpt['model'], strict=False)
+    except RuntimeError as e:  # a shape mismatch
+        detail = next((line.strip() for line in str(e).splitlines() if 'size mismatch' in line), str(e))
+        _fail(path, f"has weights that do not fit its model_args ({detail[:200]})")
+    if result.missing_keys or result.unexpected_keys:
+        _fail(path, f"has weights that do not fit its model_args: missing "
+                    f"{', '.join(result.missing_keys[:3]) or 'none'}, unexpected {', '.join(result.unexpected_keys[:3]) or 'none'}")

@@ -1,0 +1,336 @@
+"""
+The scripts' answers to bad input and faults: every setting checked before anything runs, any bad
+checkpoint file, a diverging run, SIGTERM, torchrun with default settings, local datasets.
+Run: python -m pytest -q
+"""
+import ast
+import json
+import os
+import pickle
+import re
+import runpy
+import shutil
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+REPO = os.path.dirname(os.path.abspath(__file__))
+TINY = os.path.join(REPO, 'config', 'tiny.py')
+# one thread: these tiny runs do not gain from more, and stay fast on a busy machine
+OFFLINE_ENV = dict(os.environ, HF_DATASETS_OFFLINE='1', HF_HUB_OFFLINE='1', PYTHONUNBUFFERED='1', OMP_NUM_THREADS='1')
+
+
+def run(script, *args, cwd, env=OFFLINE_ENV):
+    return subprocess.run([sys.executable, os.path.join(REPO, script), *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def one_error_line(result):
+    """The run failed with exactly one line on stderr, an `error:` line, and no traceback."""
+    assert result.returncode != 0 and 'Traceback' not in result.stderr, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith('error: '), result.stderr
+    return lines[0]
+
+
+def exit_message(script, args, monkeypatch):
+    """Run a script in this process, as `python script args` would, up to its SystemExit."""
+    monkeypatch.setattr(sys, 'argv', [script, *args])
+    with pytest.raises(SystemExit) as stopped:
+        runpy.run_path(os.path.join(REPO, script), run_name='__main__')
+    return str(stopped.value.code)
+
+
+@pytest.fixture(scope='module')
+def workdir(tmp_path_factory):
+    """Built-in data and one finished 10-step run in run/ (ckpt.pt at step 10)."""
+    path = tmp_path_factory.mktemp('scripts')
+    assert run('prepare.py', cwd=path).returncode == 0
+    result = run('train.py', TINY, '--max_iters=10', '--out_dir=run', cwd=path)
+    assert result.returncode == 0, result.stderr
+    return path
+
+
+# -----------------------------------------------------------------------------
+# settings
+
+def numeric_settings(script):
+    """The int and float settings at the top of a script (module-level constants before apply_overrides)."""
+    names = []
+    for node in ast.parse(open(os.path.join(REPO, script)).read()).body:
+        if 'apply_overrides(' in ast.unparse(node):
+            break
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant) and \
+                type(node.value.value) in (int, float):
+            names += [target.id for target in node.targets]
+    return names
+
+
+# settings for which 0 means something (off, default, none, greedy); every other number must be > 0
+ZERO_OK = {
+    'train.py': {'dropout', 'moe_every', 'mlp_dim', 'seq_min_k', 'seq_max_k', 'aux_loss_weight', 'z_loss_weight',
+                 'threshold_decay', 'max_iters', 'weight_decay', 'beta1', 'beta2', 'grad_clip', 'warmup_iters',
+                 'lr_decay_iters', 'min_lr', 'seed'},
+    'sample.py': {'temperature', 'sample_top_k', 'seed'},
+}
+
+
+@pytest.mark.parametrize("script", ['train.py', 'sample.py'])
+def test_every_numeric_setting_rejects_zero_negative_nan_and_a_wrong_type(script, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    # a value that gets through validation runs on into the missing data or checkpoint and says so
+    guard = ['--dataset=no_data_here', '--out_dir=nowhere'] if script == 'train.py' else ['--out_dir=nowhere']
+    names = numeric_settings(script)
+    assert len(names) >= {'train.py': 32, 'sample.py': 5}[script]  # as of this writing
+    for name in names:
+        for value in ('0', '-1', 'nan', 'abc'):
+            message = exit_message(script, [*guard, f'--{name}={value}'], monkeypatch)
+            if value == '0' and name in ZERO_OK[script]:
+                assert message.startswith(('error: no data in', 'error: no checkpoint at')), (name, message)
+            else:
+                assert message.startswith(f'error: --{name}=') and ' must be ' in message, (name, value, message)
+                assert '\n' not in message
+
+
+@pytest.mark.parametrize("args,message", [  # the issue's table, and the one-line errors that were already there
+    (['--batch_size=0'], "--batch_size=0 must be a positive integer"),
+    (['--dtype=float64'], "--dtype=float64 must be one of auto, float32, bfloat16, float16"),
+    (['--learning_rate=-1'], "--learning_rate=-1.0 must be a positive number"),
+    (['--eval_iters=0'], "--eval_iters=0 must be a positive integer"),
+    (['--exp_dim=0'], "--exp_dim=0 must be a positive integer"),
+    (['--gradient_accumulation_steps=0'], "--gradient_accumulation_steps=0 must be a positive integer"),
+    (['--router=relu', '--relu_l1_step=0.5'], "--relu_l1_step=0.5 must be greater than 1"),
+    (['--router=seqtop'], "--router=seqtop must be one of topk, seqtopk, batchtopk, relu"),
+    (['--learning_rate=nan'], "--learning_rate=nan must be a finite number"),
+    (['--min_lr=0.1'], "--min_lr=0.1 must be at most --learning_rate=0.002"),
+    (['--top_k=9'], "--top_k=9 must be at most --n_exp=8"),
+    (['--router=seqtopk', '--seq_min_k=3'], "--seq_min_k=3 must be at most --top_k=2"),
+    (['--n_embd=30'], "--n_embd=30 must be a multiple of --n_head=4"),
+    (['--n_exp=many'], "--n_exp=many must be an integer"),
+    (['--routr=topk'], "unknown setting --routr; did you mean --router?"),
+    (['--init_from=no_such.pt'], "--init_from=no_such.pt must be 'scratch', 'resume' or the path"),
+])
+def test_bad_settings_fail_with_one_line_before_out_dir_is_looked_at(workdir, args, message, monkeypatch):
+    # run/ already holds a run: the bad setting must be named, not the run in the way
+    monkeypatch.chdir(workdir)
+    line = exit_message('train.py', ['--out_dir=run', *args], monkeypatch)
+    assert line.startswith('error: ') and message in line and '\n' not in line
+
+
+def test_a_bad_setting_is_one_line_on_stderr_and_no_traceback(workdir):
+    line = one_error_line(run('train.py', '--out_dir=run', '--router=seqtop', cwd=workdir))
+    assert line == "error: --router=seqtop must be one of topk, seqtopk, batchtopk, relu"
+    assert not (workdir / 'nothing').exists()
+    assert one_error_line(run('train.py', '--out_dir=nothing', '--n_exp=many', cwd=workdir)) == \
+        "error: --n_exp=many must be an integer"
+    assert not (workdir / 'nothing').exists()  # nothing written
+
+
+@pytest.mark.parametrize("script,arg,allowed", [
+    ('bench.py', '--what=speed', 'one of all, train, moe, decode'),
+    ('bench.py', '--repeats=0', 'a positive integer'),
+    ('bench.py', '--contexts=64,x', 'a comma-separated list, each item a positive integer'),
+    ('bench.py', '--moe_top_k=65', 'at most --moe_n_exp=64'),
+    ('sweep.py', '--routers=topk,seqtop', 'a comma-separated list, each item one of topk, seqtopk'),
+    ('sweep.py', '--top_ks=8,0', 'a comma-separated list, each item a positive integer'),
+    ('sweep.py', '--seeds=1,a', 'a comma-separated list, each item an integer >= 0'),
+])
+def test_bench_and_sweep_settings_are_checked_too(script, arg, allowed, monkeypatch):
+    assert exit_message(script, [arg], monkeypatch).startswith(f"error: {arg} must be {allowed}")
+
+
+# -----------------------------------------------------------------------------
+# checkpoint files
+
+def bad_checkpoints(good_path, folder):
+    """name -> (path of a bad ckpt.pt, what its error must say)."""
+    good = torch.load(good_path, weights_only=True)
+    data = open(good_path, 'rb').read()
+    nanogpt = dict(model={'transformer.wte.weight': torch.zeros(65, 8)}, optimizer={}, iter_num=5, best_val_loss=1.0,
+                   model_args=dict(n_layer=1, n_head=1, n_embd=8, block_size=8, bias=False, vocab_size=65, dropout=0.0),
+                   config={'dataset': 'shakespeare_char'})
+    nan_weights = dict(good, model={k: v.clone().fill_(float('nan')) if i == 0 else v
+                                    for i, (k, v) in enumerate(good['model'].items())})
+    kinds = {'garbage': (os.urandom(4096), 'is not a torch checkpoint file'),
+             'text': (b'{"model": 1}\n', 'is not a torch checkpoint file'),
+             'empty': (b'', 'is empty'),
+             'truncated': (data[:len(data) // 2], 'is truncated or corrupt'),
+             'nanogpt': (nanogpt, 'from another project (nanoGPT?)'),
+             'no_model_args': ({k: v for k, v in good.items() if k != 'model_args'}, 'it has no model_args'),
+             'missing_weight': (dict(good, model=dict(list(good['model'].items())[1:])), 'missing transformer.wte.weight'),
+             'nan_weights': (nan_weights, 'holds non-finite weights'),
+             'tensor': (torch.ones(3), 'holds a Tensor, not a checkpoint')}
+    paths = {}
+    for name, (content, message) in kinds.items():
+        os.makedirs(folder / name)
+        path = folder / name / 'ckpt.pt'
+        if isinstance(content, bytes):
+            path.write_bytes(content)
+        else:
+            torch.save(content, path)
+        paths[name] = (path, message)
+    return paths
+
+
+def test_any_bad_checkpoint_file_gets_one_line_from_train_and_sample(workdir, tmp_path, monkeypatch):
+    monkeypatch.chdir(workdir)
+    for name, (path, message) in bad_checkpoints(workdir / 'run' / 'ckpt.pt', tmp_path).items():
+        for script, args in (('train.py', [TINY, f'--init_from={path}', f'--out_dir={tmp_path}/ft']),
+                             ('sample.py', [f'--out_dir={path.parent}'])):
+            line = exit_message(script, args, monkeypatch)
+            assert line.startswith(f'error: {path} ') and message in line and '\n' not in line, (name, script, line)
+        if name == 'garbage':  # and the real thing, as a user runs it
+            assert str(path) in one_error_line(run('sample.py', f'--out_dir={path.parent}', cwd=workdir))
+            assert str(path) in one_error_line(run('train.py', f'--init_from={path}', '--out_dir=ft', cwd=workdir))
+    # resuming needs the optimizer and RNG state as well
+    out = tmp_path / 'no_optimizer'
+    out.mkdir()
+    torch.save({k: v for k, v in torch.load(workdir / 'run' / 'ckpt.pt', weights_only=True).items()
+                if k != 'optimizer'}, out / 'ckpt.pt')
+    line = exit_message('train.py', [TINY, '--init_from=resume', f'--out_dir={out}'], monkeypatch)
+    assert 'it has no optimizer' in line
+
+
+# -----------------------------------------------------------------------------
+# faults: divergence, preemption
+
+def test_a_diverging_run_stops_and_keeps_the_last_good_checkpoint(workdir, tmp_path):
+    out = tmp_path / 'div'
+    shutil.copytree(workdir / 'run', out)
+    before = (out / 'ckpt.pt').read_bytes()
+    line = one_error_line(run('train.py', TINY, '--init_from=resume', '--max_iters=40', '--learning_rate=1e4',
+                              f'--out_dir={out}', cwd=workdir))
+    assert re.search(r'at step \d+: the run diverged', line) and 'lower --learning_rate' in line, line
+    assert (out / 'ckpt.pt').read_bytes() == before  # not replaced
+    ckpt = torch.load(out / 'ckpt.pt', weights_only=True)
+    assert ckpt['iter_num'] == 10 and all(torch.isfinite(v).all() for v in ckpt['model'].values())
+    assert json.loads(open(out / 'log.jsonl').readlines()[-1])['event'] == 'diverged'
+    resumed = run('train.py', TINY, '--init_from=resume', '--max_iters=12', f'--out_dir={out}', cwd=workdir)
+    assert resumed.returncode == 0, resumed.stderr
+
+
+def train_losses(out_dir):
+    return {r['iter']: r['ce'] for r in map(json.loads, open(out_dir / 'log.jsonl')) if r['event'] == 'train'}
+
+
+def start_and_stop(cmd, cwd, after_line, target=None):
+    """Start a training command, send SIGTERM (to target(pid) or the process) once after_line is
+    printed, and return (return code, output, the step it stopped after)."""
+    proc = subprocess.Popen(cmd, cwd=cwd, env=OFFLINE_ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    output = []
+    for line in proc.stdout:
+        output.append(line)
+        if line.startswith(after_line):
+            os.kill(target(proc.pid) if target else proc.pid, signal.SIGTERM)
+            break
+    output += proc.stdout.readlines()
+    output = ''.join(output)
+    stopped = re.search(r'stopped after step (\d+) and saved', output)
+    return proc.wait(timeout=120), output, int(stopped.group(1)) if stopped else None
+
+
+def test_sigterm_saves_and_resume_equals_an_uninterrupted_run(workdir):
+    common = [os.path.join(REPO, 'train.py'), TINY, '--lr_decay_iters=40', '--eval_interval=1000', '--log_interval=1']
+    rc, output, step = start_and_stop([sys.executable, *common, '--max_iters=100000', '--out_dir=sig'],
+                                      workdir, after_line='iter 3:')
+    assert rc == 0 and step is not None and 'Traceback' not in output, output
+    assert f"continue with: python {common[0]}" in output and '--init_from=resume' in output
+    assert torch.load(workdir / 'sig' / 'ckpt.pt', weights_only=True)['iter_num'] == step
+    end = step + 5
+    resumed = run(*common, f'--max_iters={end}', '--init_from=resume', '--out_dir=sig', cwd=workdir)
+    straight = run(*common, f'--max_iters={end}', '--out_dir=sig-straight', cwd=workdir)
+    assert resumed.returncode == 0 and straight.returncode == 0, resumed.stderr + straight.stderr
+    a, b = train_losses(workdir / 'sig-straight'), train_losses(workdir / 'sig')
+    assert sorted(a) == sorted(b) == list(range(1, end + 1))
+    assert all(a[i] == pytest.approx(b[i], abs=1e-6) for i in a)
+    assert resumed.stdout.splitlines()[-2] == straight.stdout.splitlines()[-2]  # the final eval line
+
+
+def child_with_rank(pid, rank):
+    """The torchrun worker process of the given rank, a child of pid (Linux /proc)."""
+    for child in open(f'/proc/{pid}/task/{pid}/children').read().split():
+        if f'RANK={rank}'.encode() in open(f'/proc/{child}/environ', 'rb').read().split(b'\0'):
+            return int(child)
+    raise AssertionError(f"no rank {rank} worker under {pid}")
+
+
+@pytest.mark.skipif(not os.path.exists('/proc/self/task'), reason="finds the torchrun workers through /proc")
+def test_torchrun_with_default_accumulation_runs_and_every_rank_stops_at_the_same_step(workdir):
+    common = [TINY, '--lr_decay_iters=40', '--eval_interval=1000', '--log_interval=1']
+    # a SIGTERM to rank 1 alone: rank 0 learns it in the step's all-reduce, saves, and both exit cleanly
+    rc, output, step = start_and_stop(
+        [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
+         os.path.join(REPO, 'train.py'), *common, '--max_iters=100000', '--out_dir=ddp-default'],
+        workdir, after_line='iter 3:', target=lambda pid: child_with_rank(pid, 1))
+    assert rc == 0 and step is not None, output
+    assert 'global batch 16 sequences = 8 x 1 micro-steps x 2 processes' in output
+    # the same global batch as one process accumulating over 2 micro-steps
+    single = run('train.py', *common, '--gradient_accumulation_steps=2', f'--max_iters={step}',
+                 '--out_dir=ddp-single', cwd=workdir)
+    assert single.returncode == 0 and 'global batch 16 sequences = 8 x 2 micro-steps' in single.stdout
+    a, b = (torch.load(workdir / d / 'ckpt.pt', weights_only=True) for d in ('ddp-default', 'ddp-single'))
+    assert a['iter_num'] == b['iter_num'] == step
+    for name, weight in a['model'].items():
+        torch.testing.assert_close(weight, b['model'][name], rtol=1e-4, atol=1e-5)
+
+
+# -----------------------------------------------------------------------------
+# datasets: local files and folders through the real load_dataset + map path, offline
+
+def test_prepare_reads_a_local_jsonl_dataset_offline_and_the_ids_decode_back(tmp_path):
+    rng = np.random.default_rng(0)
+    words = ['the', 'cat', 'sat', 'on', 'a', 'mat', 'Hello', 'world', 'über', '42', '!']
+    rows = [' '.join(rng.choice(words, size=rng.integers(1, 12))) for _ in range(3000)]
+    with open(tmp_path / 'stories.jsonl', 'w') as f:
+        f.writelines(json.dumps({'text': row}) + '\n' for row in rows)
+    env = dict(OFFLINE_ENV, HF_DATASETS_CACHE=str(tmp_path / 'cache'), HF_HOME=str(tmp_path / 'hf'))
+    result = run('prepare.py', f'--dataset={tmp_path}/stories.jsonl', '--num_proc=2', '--val_fraction=0.1',
+                 cwd=tmp_path, env=env)
+    assert result.returncode == 0, result.stderr
+    from prepare import gpt2_encoding
+    enc = gpt2_encoding()
+    meta = pickle.load(open(tmp_path / 'data' / 'stories' / 'meta.pkl', 'rb'))
+    assert meta == dict(tokenizer='gpt2', vocab_size=50257)
+    decoded = {}
+    for split in ('train', 'val'):
+        ids = np.fromfile(tmp_path / 'data' / 'stories' / f'{split}.bin', dtype=np.uint16).tolist()
+        assert ids[-1] == enc.eot_token
+        decoded[split] = enc.decode(ids[:-1]).split('<|endoftext|>')
+    assert len(decoded['val']) == 300
+    assert sorted(decoded['train'] + decoded['val']) == sorted(rows)
+
+
+def test_prepare_reads_csv_parquet_txt_folders_and_save_to_disk_offline(tmp_path):
+    script = f"""
+import json, sys
+sys.path.insert(0, {REPO!r})
+from datasets import Dataset, DatasetDict
+import prepare
+rows = [f'line {{i}} of text' for i in range(40)]
+Dataset.from_dict({{'text': rows}}).to_csv('rows.csv')
+Dataset.from_dict({{'text': rows}}).to_parquet('rows.parquet')
+open('rows.txt', 'w').write('\\n'.join(rows) + '\\n')
+Dataset.from_dict({{'text': rows}}).save_to_disk('saved')
+DatasetDict(train=Dataset.from_dict({{'text': rows}}), validation=Dataset.from_dict({{'text': rows[:3]}})).save_to_disk('saved_dict')
+import os; os.makedirs('folder'); Dataset.from_dict({{'text': rows}}).to_json('folder/train.jsonl')
+out = {{}}
+for path in ('rows.csv', 'rows.parquet', 'rows.txt', 'saved', 'saved_dict', 'folder'):
+    splits = prepare.load_splits(path, 'text', 0.1)
+    out[path] = sorted(list(splits['train']['text']) + list(splits['val']['text']))
+print(json.dumps(out))
+"""
+    env = dict(OFFLINE_ENV, HF_DATASETS_CACHE=str(tmp_path / 'cache'), HF_HOME=str(tmp_path / 'hf'))
+    result = subprocess.run([sys.executable, '-c', script], cwd=tmp_path, env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr
+    rows = [f'line {i} of text' for i in range(40)]
+    for path, texts in json.loads(result.stdout.splitlines()[-1]).items():
+        expected = sorted(rows + rows[:3] if path == 'saved_dict' else rows)  # saved_dict has its own validation split
+        assert texts == expected, path
+    (tmp_path / 'notes.docx').write_bytes(b'PK')
+    for bad, message in (('./missing_folder', 'no such file or folder'), ('notes.docx', 'datasets reads .json')):
+        assert message in one_error_line(run('prepare.py', f'--dataset={bad}', cwd=tmp_path, env=env))
