@@ -133,10 +133,11 @@ class MLP(nn.Module):
 # The expert matmuls, as two custom ops: torch.compile traces through them (their fake kernels give
 # the output shapes), so the model compiles to one graph, and in eager mode each picks its kernel.
 
-def grouped_kernel_ok(*mats):
-    """torch._grouped_mm takes any float dtype on CPU, bf16 on CUDA, and needs 16-byte aligned rows
-    (or columns, for a transposed operand)."""
-    return hasattr(torch, '_grouped_mm') and all(
+def grouped_kernel_ok(kernel, n_exp, rows, *mats):
+    """Whether to run torch._grouped_mm: it takes any float dtype on CPU, bf16 on CUDA, and 16-byte
+    aligned rows (or columns, for a transposed operand). On CPU, with fewer rows than experts
+    (decoding), a matmul per expert with tokens is cheaper than the kernel's matmul per expert."""
+    return kernel and hasattr(torch, '_grouped_mm') and (mats[0].device.type != 'cpu' or rows >= n_exp) and all(
         (m.device.type == 'cpu' or m.dtype == torch.bfloat16) and min(m.stride()[-2:]) == 1
         and max(m.stride()[-2:]) * m.element_size() % 16 == 0 for m in mats)
 
@@ -150,9 +151,7 @@ def expert_groups(offs):
 @torch.library.custom_op('seqmoe::grouped_mm', mutates_args=())
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, kernel: bool) -> torch.Tensor:
     """Each expert's rows of x times its matrix: x (P, C) grouped by expert, w (N, C, H) -> (P, H)."""
-    # on CPU with fewer rows than experts (decoding) a matmul per non-empty group beats the kernel's
-    # matmul per expert; otherwise the kernel wherever it runs
-    if kernel and grouped_kernel_ok(x, w) and (x.device.type != 'cpu' or x.shape[0] >= w.shape[0]):
+    if grouped_kernel_ok(kernel, w.shape[0], x.shape[0], x, w):
         return torch._grouped_mm(x, w, offs=offs)
     out = x.new_empty(x.shape[0], w.shape[2])
     for e, start, end in expert_groups(offs):  # one matmul per expert with tokens
@@ -163,7 +162,7 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, kernel: boo
 @torch.library.custom_op('seqmoe::grouped_mm_weight_grad', mutates_args=())
 def grouped_mm_weight_grad(x: torch.Tensor, grad: torch.Tensor, offs: torch.Tensor, kernel: bool) -> torch.Tensor:
     """The gradient of grouped_mm's w: each expert's x rows, transposed, times its grad rows -> (N, C, H)."""
-    if kernel and grouped_kernel_ok(x.t(), grad) and (x.device.type != 'cpu' or x.shape[0] >= offs.shape[0]):
+    if grouped_kernel_ok(kernel, offs.shape[0], x.shape[0], x.t(), grad):
         return torch._grouped_mm(x.t(), grad, offs=offs)
     out = x.new_zeros(offs.shape[0], x.shape[1], grad.shape[1])  # experts without tokens get zeros
     for e, start, end in expert_groups(offs):
