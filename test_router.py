@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from model import GPT, GPTConfig, dispatch
-from router import check_router, seqtopk_mask, topk_mask
+from router import ROUTERS, check_router, mrltopk_budgets, mrltopk_draw, seqtopk_mask, switch_balance, topk_mask
 
 REPO = os.path.dirname(os.path.abspath(__file__))
 OFFLINE_ENV = dict(os.environ, HF_DATASETS_OFFLINE='1', HF_HUB_OFFLINE='1')
@@ -32,6 +32,36 @@ def test_topk_takes_exactly_k_experts_per_token():
     assert (mask.sum(-1) == 3).all()
     # and they are the token's best: every selected score >= every unselected one
     assert (scores.masked_fill(~mask, 2).amin(-1) >= scores.masked_fill(mask, -1).amax(-1)).all()
+
+
+@pytest.mark.parametrize("k,budgets", [(8, [2, 4, 8]), (4, [2, 4]), (2, [2]), (1, [1]), (6, [2, 4, 6]),
+                                       (12, [2, 4, 8, 12]), (64, [2, 4, 8, 16, 32, 64])])
+def test_mrltopk_draws_from_the_powers_of_two_up_to_k_plus_k_itself(k, budgets):
+    assert mrltopk_budgets(k) == budgets
+    draws = mrltopk_draw(k, 3000, torch.Generator().manual_seed(0))
+    assert len(draws) == 3000 and all(isinstance(d, int) for d in draws)  # plain ints: static shapes
+    counts = np.array([draws.count(b) for b in budgets])
+    assert counts.sum() == 3000 and (abs(counts / 3000 - 1 / len(budgets)) < 0.04).all()  # uniform
+    assert draws == mrltopk_draw(k, 3000, torch.Generator().manual_seed(0))  # reproducible from the seed
+
+
+def test_mrltopk_routes_each_token_to_its_layers_drawn_k_in_training_and_k_at_evaluation():
+    model = GPT(tiny_config('mrltopk', n_exp=8, top_k=4, n_layer=3))
+    x = torch.randint(0, 16, (2, 16), generator=torch.Generator().manual_seed(0))
+    _, _, aux = model(x, moe_ks=[2, 4, 2])  # training mode: each layer its own k
+    assert [mask.sum(-1).unique().tolist() for mask, _ in aux['routing']] == [[2], [4], [2]]
+    for (mask, scores), k in zip(aux['routing'], (2, 4, 2)):
+        assert torch.equal(mask, topk_mask(scores, k))  # the token's best k, as topk
+    seen = set()
+    for _ in range(20):  # no draws given: each layer draws from torch's default generator
+        _, _, aux = model(x)
+        seen |= {int(mask.sum(-1).unique()) for mask, _ in aux['routing']}
+    assert seen == {2, 4}
+    model.eval()
+    _, _, aux = model(x, moe_ks=[2, 2, 2])  # evaluation ignores draws: every token takes top_k
+    assert all((mask.sum(-1) == 4).all() for mask, _ in aux['routing'])
+    assert torch.equal(model.generate(x[:, :3], 8, temperature=0), model.generate(x[:, :3], 8, temperature=0,
+                                                                                   use_cache=False))
 
 
 @pytest.mark.parametrize("k,min_k,max_k", [(2, 1, None), (3, 1, None), (2, 0, 8), (2, 2, 2), (4, 1, 8)])
@@ -164,13 +194,14 @@ def train_tiny(model, steps, lr=3e-3, check=None):
         (ce + aux['aux_loss']).backward()
         opt.step()
         opt.zero_grad()
+        model.adapt_relu_coef()  # relu's lambda, once per step (a no-op for the other routers)
         losses.append(ce.item())
         if check:
             check(aux['routing'])
     return losses
 
 
-@pytest.mark.parametrize("router", ["topk", "seqtopk", "batchtopk", "relu"])
+@pytest.mark.parametrize("router", ROUTERS)
 def test_a_tiny_model_learns_with_each_router(router):
     torch.manual_seed(0)
     model = GPT(tiny_config(router))
@@ -216,15 +247,72 @@ def test_batchtopk_evaluation_does_not_depend_on_the_rest_of_the_batch():
 def test_relu_routing_moves_the_active_fraction_toward_k_over_n():
     torch.manual_seed(0)
     model = GPT(tiny_config('relu', n_exp=8, relu_l1_init=1e-4))
-    routers = [b.ffn.router for b in model.transformer.h]
+    routers = model.routers()
     target = 2 / 8
     fractions = []
     train_tiny(model, 60, check=lambda routing: fractions.append(
         np.mean([mask.float().mean().item() for mask, _ in routing])))
     start, end = abs(np.mean(fractions[:5]) - target), abs(np.mean(fractions[-10:]) - target)
     assert start > 0.15 and end < start / 2, (fractions[:5], fractions[-10:])
-    assert all(r.l1_coef.item() != 1e-4 for r in routers)  # lambda adapted
+    assert routers[0].l1_coef.item() != 1e-4  # lambda adapted
     assert 'transformer.h.0.ffn.router.l1_coef' in model.state_dict()
+
+
+def test_remoe_regulariser_is_the_switch_formula_on_the_relu_gates():
+    # hand computation: 4 tokens, 3 experts, K=1: N * sum_e mean_t(gate_e) * tokens_e / (tokens * K)
+    gates = torch.tensor([[0.5, 0.0, 0.0], [0.2, 0.4, 0.0], [0.0, 0.0, 0.0], [0.3, 0.0, 0.8]], requires_grad=True)
+    mask = gates > 0
+    mean_gate, tokens = [0.25, 0.1, 0.2], [3, 1, 1]
+    expected = 3 * sum(g * n for g, n in zip(mean_gate, tokens)) / (4 * 1)
+    value = switch_balance(gates, mask, 1)
+    assert value.item() == pytest.approx(expected)
+    value.backward()  # an L1 on each gate, weighted by its expert's token count: busy experts shrink most
+    assert torch.allclose(gates.grad, torch.tensor([3.0, 1.0, 1.0]).expand(4, 3) * 3 / (4 * 4))
+
+
+def test_relu_loss_is_lambda_times_remoe_regulariser_alone():
+    # no softmax balance loss and no z-loss for relu, whatever their weights say
+    model = GPT(tiny_config('relu', n_exp=8, aux_loss_weight=1.0, z_loss_weight=1.0, relu_l1_init=0.5))
+    x = torch.randint(0, 16, (2, 16), generator=torch.Generator().manual_seed(0))
+    _, _, aux = model(x)
+    expected = sum(0.5 * switch_balance(torch.relu(b.ffn.router.gate(h)), torch.relu(b.ffn.router.gate(h)) > 0, 2)
+                   for b, h in zip(model.transformer.h, layer_inputs(model, x)))
+    assert aux['aux_loss'].item() == pytest.approx(expected.item(), rel=1e-5)
+
+
+def layer_inputs(model, x):
+    """The normalised input of every block's FFN (what its router sees)."""
+    h = model.transformer.wte(x) + model.transformer.wpe(torch.arange(x.shape[1]))
+    inputs = []
+    for block in model.transformer.h:
+        h = h + block.attn(block.ln_1(h))
+        inputs.append(block.ln_2(h))
+        h = h + block.ffn(block.ln_2(h))[0]
+    return inputs
+
+
+def test_relu_keeps_one_lambda_stepped_once_per_step_from_the_mean_over_layers():
+    model = GPT(tiny_config('relu', n_exp=8, n_layer=3))  # target active fraction 2/8
+    routers = model.routers()
+    x = torch.randint(0, 16, (2, 16), generator=torch.Generator().manual_seed(0))
+    model.adapt_relu_coef()
+    assert routers[0].l1_coef.item() == pytest.approx(1e-8)  # nothing measured yet: lambda_0 unchanged
+    for router, bias in zip(routers, (10.0, -10.0, -10.0)):  # layer 0 fully dense, layers 1-2 closed
+        torch.nn.init.zeros_(router.gate.weight)
+        router.gate.weight.data[:, 0] = bias  # every logit = bias * (first feature, about +-1)
+    fractions = []
+    for _ in range(2):  # two micro-steps of one step
+        _, _, aux = model(x)
+        fractions.append(np.mean([mask.float().mean().item() for mask, _ in aux['routing']]))
+    model.adapt_relu_coef()
+    expected = 1e-8 * (1.2 if np.mean(fractions) > 2 / 8 else 1 / 1.2)
+    assert len({r.l1_coef.item() for r in routers}) == 1  # one lambda, every layer's copy equal
+    assert routers[0].l1_coef.item() == pytest.approx(expected)
+    assert all(r.active_count.item() == 0 for r in routers)  # measurements cleared after the step
+    model.eval()
+    model(x)
+    model.adapt_relu_coef()  # evaluation measures nothing: lambda unchanged
+    assert routers[0].l1_coef.item() == pytest.approx(expected)
 
 
 def test_relu_with_every_gate_closed_gives_no_nan():
@@ -369,7 +457,7 @@ def trained_tiny(router, **kw):
 
 
 @pytest.mark.parametrize("router,kw", [("seqtopk", {}), ("seqtopk", {'seq_budget': 'strict'}), ("topk", {}),
-                                       ("batchtopk", {}), ("relu", {})])
+                                       ("mrltopk", {}), ("batchtopk", {}), ("relu", {})])
 def test_the_expert_cache_routes_decoding_exactly_like_the_causal_prefix_rule(router, kw):
     from model import Cache
     model = trained_tiny(router, **kw)
@@ -387,7 +475,7 @@ def test_the_expert_cache_routes_decoding_exactly_like_the_causal_prefix_rule(ro
         assert cache.layers[0]['ranked'].shape == (2, 24, 4)  # the Expert Cache holds every token's scores
 
 
-@pytest.mark.parametrize("router", ["topk", "seqtopk", "batchtopk", "relu"])
+@pytest.mark.parametrize("router", ROUTERS)
 def test_kv_cached_generation_equals_full_recompute(router):
     model = trained_tiny(router)
     prompt = torch.randint(0, 16, (2, 5), generator=torch.Generator().manual_seed(1))
@@ -445,10 +533,11 @@ def test_ddp_on_two_cpu_processes_matches_one_process_with_the_same_global_batch
     assert abs(a['val_ce'] - b['val_ce']) < 1e-4 and abs(a['train_ce'] - b['train_ce']) < 1e-4
 
 
-@pytest.mark.parametrize("router", ["seqtopk", "batchtopk"])
+@pytest.mark.parametrize("router", ["seqtopk", "batchtopk", "mrltopk", "relu"])
 def test_twenty_steps_straight_equal_ten_plus_resumed_ten(workdir, router):
+    # mrltopk at top_k=4 of 4 draws k from {2, 4} per layer and step; relu carries lambda in the checkpoint
     common = [os.path.join(REPO, 'config', 'tiny.py'), f'--router={router}', '--lr_decay_iters=20',
-              '--eval_interval=10']
+              '--eval_interval=10'] + (['--top_k=4'] if router == 'mrltopk' else [])
     straight = run('train.py', *common, '--max_iters=20', f'--out_dir=straight-{router}', cwd=workdir)
     first = run('train.py', *common, '--max_iters=10', f'--out_dir=split-{router}', cwd=workdir)
     resumed = run('train.py', *common, '--max_iters=20', '--init_from=resume', f'--out_dir=split-{router}',
@@ -493,7 +582,7 @@ def test_a_run_killed_while_saving_leaves_a_loadable_checkpoint(workdir):
         (out / 'ckpt.pt').unlink()
 
 
-@pytest.mark.parametrize("router", ["topk", "seqtopk", "batchtopk", "relu"])
+@pytest.mark.parametrize("router", ROUTERS)
 def test_torch_compile_trains_with_every_router_like_eager(router):
     torch.manual_seed(0)
     model = GPT(tiny_config(router))

@@ -23,7 +23,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from configurator import apply_overrides
 from model import GPT, GPTConfig
-from router import routing_stats
+from router import mrltopk_draw, routing_stats
 
 # -----------------------------------------------------------------------------
 # I/O
@@ -51,14 +51,14 @@ top_k = 2
 exp_dim = 128
 moe_every = 1                   # every moe_every-th block is MoE (1 = all, 0 = none: a dense GPT)
 mlp_dim = 0                     # width of the dense FFN blocks (0 = 4 * n_embd)
-router = 'topk'                 # topk | seqtopk | batchtopk | relu
+router = 'topk'                 # topk | mrltopk | seqtopk | batchtopk | relu (router.ROUTERS)
 seq_min_k = 1
 seq_max_k = 0                   # 0 = top_k + 2 (the paper's default); n_exp = no upper bound
 norm_topk_prob = False
 aux_loss_weight = 0.01
 z_loss_weight = 0.001
 threshold_decay = 0.99          # batchtopk: EMA decay of the threshold used at evaluation
-relu_l1_init = 1e-8             # relu: initial L1 coefficient (ReMoE's lambda_0)
+relu_l1_init = 1e-8             # relu: initial regulariser coefficient (ReMoE's lambda_0)
 relu_l1_step = 1.2              # relu: lambda's adaptation factor (ReMoE's alpha)
 moe_impl = 'grouped'            # 'grouped' (torch._grouped_mm) or 'loop' (one matmul per expert)
 seq_causal = False              # seqtopk: train with the online (causal) rule instead of the offline one
@@ -203,7 +203,7 @@ if compile:
 if ddp:  # buffers (batchtopk threshold, relu lambda) are averaged by sync_router_state instead
     model = DDP(model, device_ids=[device] if device_type == 'cuda' else None, broadcast_buffers=False)
 cfg = raw_model.config
-routers = [block.ffn.router for block in raw_model.transformer.h if hasattr(block.ffn, 'router')]
+routers = raw_model.routers()  # none in a dense GPT (--moe_every=0)
 
 
 def sync_router_state():
@@ -215,7 +215,8 @@ def sync_router_state():
 
 
 if master_process:
-    print(f"{cfg.router} routing, {cfg.top_k} of {cfg.n_exp} experts per token: "
+    print((f"{cfg.router} routing, {cfg.top_k} of {cfg.n_exp} experts per token: " if routers else
+           f"dense GPT (no MoE layers), FFN width {cfg.mlp_dim or 4 * cfg.n_embd}: ") +
           f"{raw_model.num_params() / 1e6:.2f}M parameters, {raw_model.num_params(active=True) / 1e6:.2f}M active; "
           f"device {device}, {dtype}" + (f", {world_size} processes" if ddp else ''))
 
@@ -238,6 +239,8 @@ def evaluate(split, causal=None, entropy_bins=10):
             logits, loss, extra = model(X, Y, causal=causal)
         ce.append(loss.item())
         aux.append(float(extra['aux_loss']))
+        if not extra['routing']:  # a dense model: nothing routed
+            continue
         masks = torch.stack([mask for mask, _ in extra['routing']]).cpu()  # (layers, B, T, N)
         per_token = masks.sum(-1)
         hist = hist + torch.stack([torch.bincount(c.flatten(), minlength=N + 1) for c in per_token])
@@ -251,10 +254,11 @@ def evaluate(split, causal=None, entropy_bins=10):
         bins = (entropy * entropy_bins).long().clamp(0, entropy_bins - 1).flatten()
         bin_count = bin_count + torch.bincount(bins, minlength=entropy_bins)
         bin_experts = bin_experts + torch.bincount(bins, weights=experts.flatten(), minlength=entropy_bins)
-    result = dict(ce=float(np.mean(ce)), aux=float(np.mean(aux)),
-                  experts_by_position=(by_position / eval_iters).tolist(),
-                  experts_by_entropy=(bin_experts / bin_count.clamp_min(1)).tolist(),
-                  tokens_by_entropy=bin_count.tolist(), prefix_overspend=overspend)
+    result = dict(ce=float(np.mean(ce)), aux=float(np.mean(aux)))
+    if routers:
+        result.update(experts_by_position=(by_position / eval_iters).tolist(),
+                      experts_by_entropy=(bin_experts / bin_count.clamp_min(1)).tolist(),
+                      tokens_by_entropy=bin_count.tolist(), prefix_overspend=overspend)
     return result, hist, load
 
 
@@ -274,7 +278,7 @@ def estimate_loss():
     for layer, router in enumerate(routers):
         stats = routing_stats(hist[layer], load[layer])
         if cfg.router == 'relu':
-            stats.update(l1_coef=router.l1_coef.item(), active_frac=router.active_frac.item())
+            stats.update(l1_coef=router.l1_coef.item())
         if cfg.router == 'batchtopk':
             stats.update(threshold=router.threshold.item())
         layers.append(stats)
@@ -312,6 +316,13 @@ if init_from != 'resume' and not eval_only and master_process:
     open(os.path.join(out_dir, 'log.jsonl'), 'w').close()  # a new run starts a new log
     log(dict(event='start', config=config, model_args=asdict(cfg), params=raw_model.num_params(),
              active_params=raw_model.num_params(active=True)))
+if eval_only and cfg.router == 'batchtopk' and any(r.threshold.item() == 0 for r in routers):
+    # a checkpoint never trained with batchtopk has no threshold (0 would pass every expert): set it as
+    # training does, from eval_iters training batches in training mode, without a gradient step
+    calibration = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _ in range(eval_iters):
+            model(*get_batch('train', calibration))
 batch_state = batch_gen.get_state()  # the state that draws X, Y: a resumed run redraws the same batch
 X, Y = get_batch('train')
 t_start = t_last = time.time()
@@ -325,11 +336,11 @@ while True:
         causal = (f" (offline {losses['val_offline']['ce']:.4f}, causal {losses['val_causal']['ce']:.4f}, "
                   f"worst causal prefix overspend {losses['val_causal']['prefix_overspend']:+d} experts)"
                   if 'val_causal' in losses else '')
-        print(f"step {iter_num}: train ce {losses['train']['ce']:.4f}, val ce {losses['val']['ce']:.4f}{causal}, "
-              f"val aux {losses['val']['aux']:.4f} | experts/token " +
-              ' '.join(f"{l['experts_mean']:.2f}[{l['experts_min']}-{l['experts_max']}]" for l in layers) +
-              f" | load cv {np.mean([l['load_cv'] for l in layers]):.3f}, "
-              f"entropy {np.mean([l['entropy'] for l in layers]):.3f}")
+        print(f"step {iter_num}: train ce {losses['train']['ce']:.4f}, val ce {losses['val']['ce']:.4f}{causal}" +
+              (f", val aux {losses['val']['aux']:.4f} | experts/token " +
+               ' '.join(f"{l['experts_mean']:.2f}[{l['experts_min']}-{l['experts_max']}]" for l in layers) +
+               f" | load cv {np.mean([l['load_cv'] for l in layers]):.3f}, "
+               f"entropy {np.mean([l['entropy'] for l in layers]):.3f}" if layers else ''))
         log(dict(event='eval', iter=iter_num, lr=lr, time=time.time() - t_start, layers=layers, **{
             f'{split}_{k}': v for split, d in losses.items() for k, v in d.items()}))
         improved = losses['val']['ce'] < best_val_loss
@@ -339,11 +350,15 @@ while True:
     if iter_num >= max_iters or eval_only:
         break
 
+    # mrltopk: every MoE layer's k for this step, a function of (seed, step) alone: the same on every
+    # rank and micro-step, and a resumed run redraws exactly what the straight run drew
+    moe_ks = (mrltopk_draw(cfg.top_k, len(routers), torch.Generator().manual_seed(seed * 1_000_003 + iter_num))
+              if cfg.router == 'mrltopk' else None)
     for micro_step in range(gradient_accumulation_steps):
         if ddp:  # gradients are all-reduced on the last micro-step only
             model.require_backward_grad_sync = micro_step == gradient_accumulation_steps - 1
         with ctx:
-            _, ce, extra = model(X, Y)
+            _, ce, extra = model(X, Y, moe_ks=moe_ks)
             loss = (ce + extra['aux_loss']) / gradient_accumulation_steps
         batch_state = batch_gen.get_state()
         X, Y = get_batch('train')  # fetch the next batch while the backward runs on GPU
@@ -355,6 +370,7 @@ while True:
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
     sync_router_state()
+    raw_model.adapt_relu_coef()  # relu: ReMoE's lambda, once per step, from every layer and micro-step
     iter_num += 1
 
     if iter_num % log_interval == 0 and master_process:
@@ -368,13 +384,17 @@ while True:
 if ddp:
     dist.destroy_process_group()
 if master_process:  # the run's summary, also the last line of log.jsonl (sweep.py reads it)
-    summary = dict(event='done', iter=iter_num, time=time.time() - t_begin, router=cfg.router, top_k=cfg.top_k,
-                   n_exp=cfg.n_exp, init_from=init_from, eval_only=eval_only, val_ce=losses['val']['ce'],
+    summary = dict(event='done', iter=iter_num, time=time.time() - t_begin, router=cfg.router if routers else 'dense',
+                   top_k=cfg.top_k, n_exp=cfg.n_exp, mlp_dim=cfg.mlp_dim or 4 * cfg.n_embd, moe_layers=len(routers),
+                   params=raw_model.num_params(), active_params=raw_model.num_params(active=True),
+                   init_from=init_from, eval_only=eval_only, val_ce=losses['val']['ce'],
                    val_ce_offline=losses.get('val_offline', losses['val'])['ce'],
                    val_ce_causal=losses['val_causal']['ce'] if 'val_causal' in losses else None,
-                   **{k: float(np.mean([l[k] for l in layers])) for k in ('experts_mean', 'load_cv', 'entropy')})
+                   **{k: float(np.mean([l[k] for l in layers])) if layers else None
+                      for k in ('experts_mean', 'load_cv', 'entropy')})
     log(summary)
     causal = f", causal routing {summary['val_ce_causal']:.4f}" if 'val_causal' in losses else ''
-    print(f"done: {iter_num} iterations, {summary['time']:.0f}s; final val ce {summary['val_ce']:.4f}{causal}, "
-          f"experts/token {summary['experts_mean']:.2f}, load cv {summary['load_cv']:.3f}, "
-          f"entropy {summary['entropy']:.3f} (means over MoE layers)" + ('' if eval_only else f"; checkpoint in {ckpt_path}"))
+    routing = (f", experts/token {summary['experts_mean']:.2f}, load cv {summary['load_cv']:.3f}, "
+               f"entropy {summary['entropy']:.3f} (means over MoE layers)" if layers else ' (dense)')
+    print(f"done: {iter_num} iterations, {summary['time']:.0f}s; final val ce {summary['val_ce']:.4f}{causal}"
+          + routing + ('' if eval_only else f"; checkpoint in {ckpt_path}"))
