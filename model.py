@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
-from router import Router, check_router, mrltopk_draw, next_relu_coef
+from router import Router, check_router, mrltopk_draw, next_relu_coef, next_relu_threshold
 
 
 @dataclass
@@ -38,6 +38,8 @@ class GPTConfig:
     threshold_decay: float = 0.99  # batchtopk: EMA decay of the evaluation threshold
     relu_l1_init: float = 1e-8     # relu: initial regulariser coefficient lambda_0 (ReMoE default)
     relu_l1_step: float = 1.2      # relu: lambda's multiplicative step alpha (ReMoE default)
+    relu_l1_per_layer: bool = True  # relu: each MoE layer its own lambda (False = ReMoE: one for the model)
+    relu_threshold_step: float = 0.1  # relu: step of the layers' ReLU thresholds (0 = ReMoE: always 0)
     moe_impl: str = 'grouped'  # 'grouped' (one torch._grouped_mm) or 'loop' (a matmul per expert)
     seq_causal: bool = False   # seqtopk: route every position by the online rule (as in decoding)
     seq_budget: str = 'plain'  # online seqtopk: 'plain' (the paper) or 'strict' (no prefix overspends)
@@ -228,7 +230,7 @@ class GPT(nn.Module):
         seqtopk by the online rule (default: config.seq_causal; always, when decoding).
         moe_ks: mrltopk in training, the k of each MoE layer for this step (plain ints, e.g. from
         router.mrltopk_draw with a seeded generator); None draws them from torch's default generator.
-        In training, relu's routers also record their active fractions for adapt_relu_coef."""
+        In training, relu's routers also record their active fractions for adapt_relu."""
         B, T = idx.shape
         start = 0 if cache is None else cache.pos
         if start + T > self.config.block_size:
@@ -257,20 +259,25 @@ class GPT(nn.Module):
         return logits, loss, dict(aux_loss=aux_loss, routing=routing)
 
     @torch.no_grad()
-    def adapt_relu_coef(self):
-        """relu: step ReMoE's lambda once per optimizer step (after the ranks' router state is averaged),
-        from the active fraction averaged over every MoE layer and every training forward since the
-        last call, then clear those measurements. Every layer holds the same lambda."""
-        routers = self.routers()
-        if self.config.router != 'relu' or not routers:
+    def adapt_relu(self):
+        """relu, once per optimizer step (after the ranks' router state is averaged), from the active
+        fractions measured in the training forwards since the last call (then cleared): lambda from
+        each layer's own (ReMoE: from their mean over every MoE layer, one lambda), and each layer's
+        ReLU threshold from its own. Nothing measured (no training forward): nothing changes."""
+        routers, cfg = self.routers(), self.config
+        if cfg.router != 'relu' or not routers:
             return
-        count = sum(r.active_count for r in routers)
-        active = sum(r.active_sum for r in routers) / count.clamp_min(1)
-        l1_coef = torch.where(count > 0, next_relu_coef(routers[0].l1_coef, active, self.config.top_k,
-                                                        self.config.n_exp, self.config.relu_l1_step),
-                              routers[0].l1_coef)  # nothing measured: unchanged (no host sync)
+        for group in ([[r] for r in routers] if cfg.relu_l1_per_layer else [routers]):
+            count = sum(r.active_count for r in group)
+            active = sum(r.active_sum for r in group) / count.clamp_min(1)
+            l1_coef = torch.where(count > 0, next_relu_coef(group[0].l1_coef, active, cfg.top_k, cfg.n_exp,
+                                                            cfg.relu_l1_step), group[0].l1_coef)  # no host sync
+            for router in group:
+                router.l1_coef.copy_(l1_coef)
         for router in routers:
-            router.l1_coef.copy_(l1_coef)
+            active = router.active_sum / router.active_count.clamp_min(1)
+            router.threshold.copy_(torch.where(router.active_count > 0, next_relu_threshold(
+                router.threshold, active, cfg.top_k, cfg.n_exp, cfg.relu_threshold_step), router.threshold))
             router.active_sum.zero_()
             router.active_count.zero_()
 

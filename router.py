@@ -122,9 +122,10 @@ def threshold_mask(scores, threshold):
     return scores > threshold
 
 
-def relu_gates(logits):
-    # ReMoE: gates = ReLU(router logits); an expert is active wherever its gate is positive.
-    return F.relu(logits)
+def relu_gates(logits, threshold=0.0):
+    # ReMoE: gates = ReLU(router logits); an expert is active wherever its gate is positive. Here the
+    # ReLU may open below 0, at a per-layer threshold <= 0 (0 = ReMoE; see next_relu_threshold).
+    return F.relu(logits - threshold)
 
 
 def switch_balance(probs, mask, k):
@@ -158,7 +159,8 @@ class Router(nn.Module):
     """Token features (B, T, C) -> mask (B, T, N), gate weights (B, T, N), scores, auxiliary loss.
 
     config fields used: n_embd, n_exp, router, top_k, seq_min_k, seq_max_k (0 = top_k + 2), seq_budget,
-    norm_topk_prob, aux_loss_weight, z_loss_weight, threshold_decay, relu_l1_init.
+    norm_topk_prob, aux_loss_weight, z_loss_weight, threshold_decay, relu_l1_init (the step rules are
+    applied by GPT.adapt_relu).
     """
 
     def __init__(self, config):
@@ -168,11 +170,12 @@ class Router(nn.Module):
         self.gate = nn.Linear(config.n_embd, config.n_exp, bias=False)
         # mrltopk: the k this layer routes with in the current training step (GPT.forward sets it)
         self.k = config.top_k
-        # batchtopk: EMA of the smallest selected score in training; 0 = not yet seen a batch
+        # batchtopk: EMA of the smallest selected score in training (0 = not yet seen a batch);
+        # relu: the logit at which this layer's ReLU gates open (0 = ReMoE's ReLU)
         self.register_buffer('threshold', torch.zeros(()))
-        # relu: ReMoE's regulariser coefficient lambda, one value for the whole model (GPT.adapt_relu_coef
-        # steps every layer's copy alike), and the sum and count of this layer's active fractions over
-        # the training forwards since that last step
+        # relu: ReMoE's regulariser coefficient lambda (this layer's, or one value for the whole model,
+        # each layer a copy), and the sum and count of this layer's active fractions over the training
+        # forwards since GPT.adapt_relu last stepped lambda and the threshold
         self.register_buffer('l1_coef', torch.tensor(float(config.relu_l1_init)))
         self.register_buffer('active_sum', torch.zeros(()))
         self.register_buffer('active_count', torch.zeros(()))
@@ -218,7 +221,7 @@ class Router(nn.Module):
             logits = F.linear(x.float(), self.gate.weight.float())
         scores = logits.softmax(dim=-1)
         if cfg.router == 'relu':
-            weights = relu_gates(logits)
+            weights = relu_gates(logits, self.threshold)
             mask = weights > 0
             # ReMoE's one regulariser, also its load balancer: lambda * Switch formula on the gates
             # (no z-loss: pulling logits down would close every ReLU gate; no softmax balance loss)
@@ -234,6 +237,15 @@ class Router(nn.Module):
             aux_loss = (cfg.aux_loss_weight * switch_balance(scores, mask, k)
                         + cfg.z_loss_weight * logits.logsumexp(dim=-1).square().mean())  # router z-loss
         return mask, weights, scores, aux_loss
+
+
+def next_relu_threshold(threshold, active_frac, k, n_exp, step=0.1):
+    # Not in ReMoE, which can only push gates shut (lambda >= 0): a layer left too sparse, whose closed
+    # gates get no gradient, reopens as its threshold falls by step x relative error (active - K/N) / (K/N).
+    """The next ReLU threshold of one layer (a tensor), never above ReMoE's 0: closing stays lambda's job.
+    step = 0 keeps ReMoE's threshold of 0."""
+    target = k / n_exp
+    return (threshold + step * (active_frac - target) / target).clamp(max=0.0)
 
 
 def next_relu_coef(l1_coef, active_frac, k, n_exp, step=1.2):

@@ -194,7 +194,7 @@ def train_tiny(model, steps, lr=3e-3, check=None):
         (ce + aux['aux_loss']).backward()
         opt.step()
         opt.zero_grad()
-        model.adapt_relu_coef()  # relu's lambda, once per step (a no-op for the other routers)
+        model.adapt_relu()  # relu's lambda, once per step (a no-op for the other routers)
         losses.append(ce.item())
         if check:
             check(aux['routing'])
@@ -291,28 +291,46 @@ def layer_inputs(model, x):
     return inputs
 
 
-def test_relu_keeps_one_lambda_stepped_once_per_step_from_the_mean_over_layers():
-    model = GPT(tiny_config('relu', n_exp=8, n_layer=3))  # target active fraction 2/8
+@pytest.mark.parametrize("per_layer", [False, True])
+def test_relu_steps_lambda_once_per_step_from_the_layer_mean_or_each_layer(per_layer):
+    # per_layer=False is ReMoE's controller: one lambda for the model, from the mean over its layers
+    model = GPT(tiny_config('relu', n_exp=8, n_layer=3, relu_l1_per_layer=per_layer))  # target 2/8 active
     routers = model.routers()
     x = torch.randint(0, 16, (2, 16), generator=torch.Generator().manual_seed(0))
-    model.adapt_relu_coef()
+    model.adapt_relu()
     assert routers[0].l1_coef.item() == pytest.approx(1e-8)  # nothing measured yet: lambda_0 unchanged
-    for router, bias in zip(routers, (10.0, -10.0, -10.0)):  # layer 0 fully dense, layers 1-2 closed
+    for router in routers:  # every logit 0: layer 0 fully open (its ReLU opens at -1), layers 1-2 shut
         torch.nn.init.zeros_(router.gate.weight)
-        router.gate.weight.data[:, 0] = bias  # every logit = bias * (first feature, about +-1)
-    fractions = []
+    routers[0].threshold.fill_(-1.0)
+    fractions = []  # per micro-step, per layer
     for _ in range(2):  # two micro-steps of one step
         _, _, aux = model(x)
-        fractions.append(np.mean([mask.float().mean().item() for mask, _ in aux['routing']]))
-    model.adapt_relu_coef()
-    expected = 1e-8 * (1.2 if np.mean(fractions) > 2 / 8 else 1 / 1.2)
-    assert len({r.l1_coef.item() for r in routers}) == 1  # one lambda, every layer's copy equal
-    assert routers[0].l1_coef.item() == pytest.approx(expected)
+        fractions.append([mask.float().mean().item() for mask, _ in aux['routing']])
+    assert np.mean(fractions, axis=0).tolist() == [1.0, 0.0, 0.0]  # the mean over layers, 1/3, is too dense
+    model.adapt_relu()
+    expected = [1e-8 * 1.2, 1e-8 / 1.2, 1e-8 / 1.2] if per_layer else [1e-8 * 1.2] * 3
+    assert [r.l1_coef.item() for r in routers] == pytest.approx(expected)
+    # each layer's threshold moves by step x its own relative error (active - 1/4) / (1/4), never above 0
+    step = model.config.relu_threshold_step
+    assert [r.threshold.item() for r in routers] == pytest.approx([-1 + step * 3, -step, -step], abs=1e-6)
     assert all(r.active_count.item() == 0 for r in routers)  # measurements cleared after the step
     model.eval()
     model(x)
-    model.adapt_relu_coef()  # evaluation measures nothing: lambda unchanged
-    assert routers[0].l1_coef.item() == pytest.approx(expected)
+    model.adapt_relu()  # evaluation measures nothing: nothing changes
+    assert [r.l1_coef.item() for r in routers] == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("threshold_step", [0.1, 0.0])
+def test_a_relu_layer_with_every_gate_shut_reopens_through_its_threshold(threshold_step):
+    # ReMoE's lambda only pushes gates shut: with threshold_step=0 (ReMoE exactly) a shut layer stays shut
+    model = GPT(tiny_config('relu', relu_threshold_step=threshold_step))
+    x = torch.randint(0, 16, (2, 16), generator=torch.Generator().manual_seed(0))
+    for router in model.routers():
+        torch.nn.init.zeros_(router.gate.weight)  # every logit 0: every gate shut at threshold 0
+    for _ in range(2):
+        _, _, aux = model(x)
+        model.adapt_relu()
+    assert all((mask.sum() > 0) == (threshold_step > 0) for mask, _ in aux['routing'])
 
 
 def test_relu_with_every_gate_closed_gives_no_nan():

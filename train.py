@@ -60,6 +60,8 @@ z_loss_weight = 0.001
 threshold_decay = 0.99          # batchtopk: EMA decay of the threshold used at evaluation
 relu_l1_init = 1e-8             # relu: initial regulariser coefficient (ReMoE's lambda_0)
 relu_l1_step = 1.2              # relu: lambda's adaptation factor (ReMoE's alpha)
+relu_l1_per_layer = True        # relu: each MoE layer its own lambda (False: one for the model, as ReMoE)
+relu_threshold_step = 0.1       # relu: step with which a too-sparse layer's ReLU threshold falls below 0 (0: ReMoE)
 moe_impl = 'grouped'            # 'grouped' (torch._grouped_mm) or 'loop' (one matmul per expert)
 seq_causal = False              # seqtopk: train with the online (causal) rule instead of the offline one
 seq_budget = 'plain'            # online seqtopk: 'plain' (the paper) or 'strict' (no prefix overspends)
@@ -85,7 +87,8 @@ config = {k: globals()[k] for k in sorted(globals()) if not k.startswith('_') an
 t_begin = time.time()
 MODEL_KEYS = [f.name for f in fields(GPTConfig)]
 ROUTING_KEYS = {'router', 'top_k', 'seq_min_k', 'seq_max_k', 'norm_topk_prob', 'aux_loss_weight', 'z_loss_weight',
-                'threshold_decay', 'relu_l1_init', 'relu_l1_step', 'moe_impl', 'dropout', 'seq_causal',
+                'threshold_decay', 'relu_l1_init', 'relu_l1_step', 'relu_l1_per_layer', 'relu_threshold_step',
+                'moe_impl', 'dropout', 'seq_causal',
                 'seq_budget'}  # may change on resume; the rest is architecture
 
 
@@ -278,7 +281,7 @@ def estimate_loss():
     for layer, router in enumerate(routers):
         stats = routing_stats(hist[layer], load[layer])
         if cfg.router == 'relu':
-            stats.update(l1_coef=router.l1_coef.item())
+            stats.update(l1_coef=router.l1_coef.item(), relu_threshold=router.threshold.item())
         if cfg.router == 'batchtopk':
             stats.update(threshold=router.threshold.item())
         layers.append(stats)
@@ -370,7 +373,7 @@ while True:
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
     sync_router_state()
-    raw_model.adapt_relu_coef()  # relu: ReMoE's lambda, once per step, from every layer and micro-step
+    raw_model.adapt_relu()  # relu: ReMoE's lambda and the layers' thresholds, once per step
     iter_num += 1
 
     if iter_num % log_interval == 0 and master_process:
