@@ -189,13 +189,20 @@ def run_all(runs):
         finished[name] = train(os.path.join(out_root, name), *args)
         return name
 
+    dataset = next((a.split('=', 1)[1] for a in train_args.split() if a.startswith('--dataset=')), 'shakespeare_char')
+    if jobs > 1 and not os.path.exists(os.path.join('data', dataset, 'train.bin')):
+        one(*runs[0][3:])  # alone: it prepares the data, which parallel runs would race to write
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         for group, k, seed, name, args, after in runs:
             futures[name] = pool.submit(one, name, args, after)
             if after != 'moe' and (group is None or group[1] != 'training-free'):
                 moe.append(futures[name])
-        for future in futures.values():
-            future.result()  # re-raise a failed run's error
+        try:
+            for future in futures.values():
+                future.result()  # re-raise a failed run's error
+        except BaseException:
+            pool.shutdown(cancel_futures=True)  # the runs under way finish; no new one starts
+            raise
     return finished
 
 
@@ -259,9 +266,9 @@ def main():
     title = (f"Fine-tuning from TopK (K={pretrain_k}, {pretrain_iters} steps)" if finetune else "Pretraining")
     print(f"\n{title}: {max_iters} steps, seeds {seeds}, `{train_args}`" +
           (f", fine-tuning with `{finetune_args}`" if finetune and finetune_args else ''))
-    print("Δ = paired difference of final val cross-entropy from topk (fine-tuned rows and dense rows: from "
-          "topk trained at that K; training-free rows: from topk training-free), mean over seeds "
-          "[95% t-interval]; negative = better than topk\n")
+    print("Δ = paired difference of final val cross-entropy from topk's at the same K and seed (same "
+          "initialisation, batches and val batches; training-free rows: from topk training-free), mean over "
+          "seeds [95% t-interval]; negative = lower than topk's\n")
     print("| row | K | K/N | params (active) | val CE (offline routing) | val CE (causal routing) "
           "| Δ vs topk (offline) | Δ vs topk (causal) | experts/token | wall s/run |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
