@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from configurator import apply_overrides
 from model import GPT, GPTConfig, Cache, MoE
+from router import ROUTERS
 
 # -----------------------------------------------------------------------------
 what = 'all'              # all | train | moe | decode
@@ -49,7 +50,6 @@ apply_overrides(globals(), sys.argv[1:])
 ptdtype = {'float32': torch.float32, 'bfloat16': torch.bfloat16}[dtype]
 device_type = 'cuda' if device.startswith('cuda') else 'cpu'
 autocast = (lambda: torch.autocast(device_type=device_type, dtype=ptdtype)) if dtype != 'float32' else nullcontext
-ROUTERS = ('topk', 'seqtopk', 'batchtopk', 'relu')
 DEFAULT = dict(n_layer=4, n_head=4, n_embd=128, n_exp=8, top_k=2, exp_dim=128, block_size=128, vocab_size=77)
 LARGER = dict(n_layer=6, n_head=8, n_embd=256, n_exp=16, top_k=4, exp_dim=256, block_size=256, vocab_size=77)
 
