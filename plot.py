@@ -135,8 +135,10 @@ def plot_paired_differences(sweep, out):
                 shift = 1 + 0.04 * (2 * i + causal - len(series))  # side by side around each K (log axis)
                 ax.errorbar([r['K'] * shift for r in picked], mean, yerr=errors, marker='o', capsize=3, color=f'C{i}',
                             ls='--' if causal else '-', label=router + (' (causal routing)' if causal else ''))
+        ks = sorted({r['K'] for r in rows})
         ax.set_xscale('log', base=2)
-        ax.set_xticks(sorted({r['K'] for r in rows}), [str(k) for k in sorted({r['K'] for r in rows})])
+        ax.set_xlim(ks[0] / 1.6, ks[-1] * 1.6)
+        ax.set_xticks(ks, [str(k) for k in ks])
         ax.minorticks_off()
         ax.set_xlabel('K (experts per token)')
         ax.grid(alpha=0.3)
