@@ -7,8 +7,8 @@ True when token t of sequence b is sent to expert i. The model turns any mask in
 outputs through one dispatch path (model.py), so a new router is just a new function here.
 
 The Router module at the bottom owns the gate (a linear layer, run in fp32) and the little state
-two routers need (batchtopk's threshold, relu's regulariser coefficient), kept as buffers so it
-travels in checkpoints. The selection itself is always one of the pure functions above it.
+two routers need (batchtopk's threshold; relu's regulariser coefficient and ReLU threshold), kept as
+buffers so it travels in checkpoints. The selection itself is always one of the pure functions above it.
 """
 import torch
 import torch.nn as nn
@@ -130,11 +130,28 @@ def relu_gates(logits, threshold=0.0):
 
 def switch_balance(probs, mask, k):
     # Switch load balance (Fedus et al.), Megatron's form: N * sum_e mean_t(probs_e) * tokens_e / (tokens * k).
-    """ReMoE applies it to the ReLU gates as its sparsity-and-balance regulariser (thu-ml/ReMoE,
-    ReLURouter.apply_l1_reg): there each expert's L1 is weighted by its share of the tokens."""
+    """ReMoE applies it to the ReLU gates as its sparsity-and-balance regulariser (thu-ml/ReMoE's
+    ReLURouter.apply_l1_reg, megatron/core/transformer/moe/router.py): each expert's L1 is weighted by
+    its share of the tokens."""
     probs, mask = probs.flatten(0, -2), mask.flatten(0, -2)
     tokens_per_expert = mask.sum(0).to(probs.dtype)  # counts: no gradient flows through them
     return probs.shape[-1] * (probs.mean(0) * tokens_per_expert).sum() / (mask.shape[0] * k)
+
+
+def next_relu_threshold(threshold, active_frac, k, n_exp, step=0.1):
+    # Not in ReMoE, which can only push gates shut (lambda >= 0): a layer left too sparse, whose closed
+    # gates get no gradient, reopens as its threshold falls by step x relative error (active - K/N) / (K/N).
+    """The next ReLU threshold of one layer (a tensor), never above ReMoE's 0: closing stays lambda's job.
+    step = 0 keeps ReMoE's threshold of 0."""
+    target = k / n_exp
+    return (threshold + step * (active_frac - target) / target).clamp(max=0.0)
+
+
+def next_relu_coef(l1_coef, active_frac, k, n_exp, step=1.2):
+    # ReMoE's controller (thu-ml/ReMoE's megatron/training/training.py): lambda x step when the active
+    # fraction (ReMoE: its mean over all MoE layers, one lambda) is above K/N (too dense), / step otherwise.
+    """The next lambda (a tensor: no host sync), kept within [1e-12, 1e3] against under/overflow."""
+    return (l1_coef * torch.where(active_frac > k / n_exp, step, 1 / step)).clamp(1e-12, 1e3)
 
 
 def routing_weights(scores, mask, renormalize=False):
@@ -237,22 +254,6 @@ class Router(nn.Module):
             aux_loss = (cfg.aux_loss_weight * switch_balance(scores, mask, k)
                         + cfg.z_loss_weight * logits.logsumexp(dim=-1).square().mean())  # router z-loss
         return mask, weights, scores, aux_loss
-
-
-def next_relu_threshold(threshold, active_frac, k, n_exp, step=0.1):
-    # Not in ReMoE, which can only push gates shut (lambda >= 0): a layer left too sparse, whose closed
-    # gates get no gradient, reopens as its threshold falls by step x relative error (active - K/N) / (K/N).
-    """The next ReLU threshold of one layer (a tensor), never above ReMoE's 0: closing stays lambda's job.
-    step = 0 keeps ReMoE's threshold of 0."""
-    target = k / n_exp
-    return (threshold + step * (active_frac - target) / target).clamp(max=0.0)
-
-
-def next_relu_coef(l1_coef, active_frac, k, n_exp, step=1.2):
-    # ReMoE's controller (thu-ml/ReMoE, megatron/training/training.py): one lambda for the whole model,
-    # x step when the active fraction averaged over all MoE layers is above k/N (too dense), / step otherwise.
-    """The next lambda (a tensor: no host sync), kept within [1e-12, 1e3] against under/overflow."""
-    return (l1_coef * torch.where(active_frac > k / n_exp, step, 1 / step)).clamp(1e-12, 1e3)
 
 
 # -----------------------------------------------------------------------------

@@ -98,7 +98,7 @@ def test_a_pretraining_sweep_adds_dense_rows_and_paired_differences(workdir):
 
 def test_a_finetune_sweep_pretrains_per_seed_and_tabulates_training_free_rows(workdir):
     args = ['--out_root=ft', '--finetune=True', '--routers=topk,mrltopk,batchtopk,seqtopk', '--top_ks=2',
-            '--seeds=1', '--pretrain_k=4', '--pretrain_iters=6', '--max_iters=3',
+            '--seeds=1', '--pretrain_k=4', '--pretrain_iters=6', '--max_iters=3', '--jobs=2',
             f'--train_args={TINY} --n_exp=4 --eval_interval=3']
     result = run('sweep.py', *args, cwd=workdir)
     assert result.returncode == 0, result.stderr + result.stdout
@@ -111,6 +111,9 @@ def test_a_finetune_sweep_pretrains_per_seed_and_tabulates_training_free_rows(wo
     assert free['batchtopk']['experts_mean'] < 3  # a threshold set from training batches, not 0 (all 4)
     assert all(r['init_from'].endswith(os.path.join('pretrain-topk-k4-s1', 'ckpt.pt'))
                for r in summary['runs'] if r['kind'] != 'pretrain')
+    assert all(r['eval_only'] and r['iter'] == 0 for r in free.values())  # evaluated, not trained
+    tuned = next(r for r in summary['runs'] if r['kind'] == 'train' and r['router'] == 'seqtopk')
+    assert tuned['iter'] == 3 and tuned['val_ce_causal'] is not None and free['seqtopk']['val_ce_causal'] is not None
 
 
 def test_bad_sweep_settings_fail_with_one_line(workdir):

@@ -644,18 +644,3 @@ def test_plots_are_written_from_logs_alone(tmp_path):
         assert png.exists() and png.read_bytes()[:8] == b'\x89PNG\r\n\x1a\n' and png.stat().st_size > 5000
     with pytest.raises(SystemExit, match='no log.jsonl'):
         plot.main([str(tmp_path / 'missing')])
-
-
-def test_finetune_sweep_pretrains_topk_then_finetunes_and_evaluates_training_free(workdir):
-    import json
-    result = run('sweep.py', '--out_root=sweep', '--finetune=True', '--top_ks=2', '--seeds=1', '--pretrain_k=2',
-                 '--pretrain_iters=10', '--max_iters=5',
-                 f"--train_args={os.path.join(REPO, 'config', 'tiny.py')} --eval_interval=5", cwd=workdir)
-    assert result.returncode == 0, result.stderr + result.stdout
-    table = [line for line in result.stdout.splitlines() if line.startswith('| ')]
-    assert len(table) == 2 + 4 and 'seqtopk (training-free)' in result.stdout
-    summary = json.load(open(workdir / 'sweep' / 'sweep.json'))
-    free = next(r for r in summary['runs'] if r['kind'] == 'training-free' and r['router'] == 'seqtopk')
-    assert free['eval_only'] and free['iter'] == 0 and free['router'] == 'seqtopk'
-    tuned = next(r for r in summary['runs'] if r['kind'] == 'train' and r['router'] == 'seqtopk')
-    assert tuned['iter'] == 5 and tuned['init_from'].endswith('ckpt.pt') and tuned['val_ce_causal'] is not None

@@ -319,8 +319,8 @@ if init_from != 'resume' and not eval_only and master_process:
     open(os.path.join(out_dir, 'log.jsonl'), 'w').close()  # a new run starts a new log
     log(dict(event='start', config=config, model_args=asdict(cfg), params=raw_model.num_params(),
              active_params=raw_model.num_params(active=True)))
-if eval_only and cfg.router == 'batchtopk' and any(r.threshold.item() == 0 for r in routers):
-    # a checkpoint never trained with batchtopk has no threshold (0 would pass every expert): set it as
+if eval_only and cfg.router == 'batchtopk' and any(r.threshold.item() <= 0 for r in routers):
+    # a checkpoint never trained with batchtopk has no threshold (<= 0 passes every expert): set it as
     # training does, from eval_iters training batches in training mode, without a gradient step
     calibration = torch.Generator().manual_seed(seed)
     with torch.no_grad():
