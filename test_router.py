@@ -536,19 +536,25 @@ def last_eval(out_dir):
     return evals[-1]
 
 
-def test_ddp_on_two_cpu_processes_matches_one_process_with_the_same_global_batch(workdir):
-    common = [os.path.join(REPO, 'config', 'tiny.py'), '--router=seqtopk', '--gradient_accumulation_steps=2',
-              '--max_iters=6', '--eval_interval=6']
-    single = run('train.py', *common, '--out_dir=single', cwd=workdir)
+@pytest.mark.parametrize("router", ["seqtopk", "relu"])
+def test_ddp_on_two_cpu_processes_matches_one_process_with_the_same_global_batch(workdir, router):
+    # relu: lambda and the thresholds step once per step, from the active fractions of every micro-batch
+    common = [os.path.join(REPO, 'config', 'tiny.py'), f'--router={router}', '--gradient_accumulation_steps=2',
+              '--max_iters=6', '--eval_interval=6', '--relu_l1_init=0.01']
+    single = run('train.py', *common, f'--out_dir=single-{router}', cwd=workdir)
     assert single.returncode == 0, single.stderr
     ddp = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
-                          os.path.join(REPO, 'train.py'), *common, '--out_dir=ddp'],
+                          os.path.join(REPO, 'train.py'), *common, f'--out_dir=ddp-{router}'],
                          cwd=workdir, env=OFFLINE_ENV, capture_output=True, text=True, timeout=300)
     assert ddp.returncode == 0, ddp.stderr
     assert '2 processes' in ddp.stdout
-    a, b = last_eval(workdir / 'single'), last_eval(workdir / 'ddp')
+    a, b = last_eval(workdir / f'single-{router}'), last_eval(workdir / f'ddp-{router}')
     assert a['iter'] == b['iter'] == 6
     assert abs(a['val_ce'] - b['val_ce']) < 1e-4 and abs(a['train_ce'] - b['train_ce']) < 1e-4
+    if router == 'relu':  # the same lambda and thresholds, and they moved
+        for key in ('l1_coef', 'relu_threshold'):
+            assert [l[key] for l in a['layers']] == pytest.approx([l[key] for l in b['layers']], rel=1e-5, abs=1e-7)
+        assert all(l['l1_coef'] != 0.01 for l in a['layers']) and any(l['relu_threshold'] < 0 for l in a['layers'])
 
 
 @pytest.mark.parametrize("router", ["seqtopk", "batchtopk", "mrltopk", "relu"])
