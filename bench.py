@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from configurator import (Rule, apply_overrides, each, keep_freed_cpu_memory, non_negative_int, one_of,
                           positive_int, validate)
 from model import GPT, GPTConfig, Cache, MoE
+from router import ROUTERS
 
 # -----------------------------------------------------------------------------
 what = 'all'              # all | train | moe | decode
@@ -67,7 +68,6 @@ validate({k: v for k, v in globals().items() if not k.startswith('_') and isinst
 ptdtype = {'float32': torch.float32, 'bfloat16': torch.bfloat16}[dtype]
 device_type = 'cuda' if device.startswith('cuda') else 'cpu'
 autocast = (lambda: torch.autocast(device_type=device_type, dtype=ptdtype)) if dtype != 'float32' else nullcontext
-ROUTERS = ('topk', 'seqtopk', 'batchtopk', 'relu')
 DEFAULT = dict(n_layer=4, n_head=4, n_embd=128, n_exp=8, top_k=2, exp_dim=128, block_size=128, vocab_size=77)
 LARGER = dict(n_layer=6, n_head=8, n_embd=256, n_exp=16, top_k=4, exp_dim=256, block_size=256, vocab_size=77)
 

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
-from router import Router, check_router
+from router import Router, check_router, mrltopk_draw, next_relu_coef, next_relu_threshold
 
 
 @dataclass
@@ -36,8 +36,10 @@ class GPTConfig:
     aux_loss_weight: float = 0.01  # Switch load-balance loss
     z_loss_weight: float = 0.001   # router z-loss
     threshold_decay: float = 0.99  # batchtopk: EMA decay of the evaluation threshold
-    relu_l1_init: float = 1e-8     # relu: initial L1 coefficient lambda_0 (ReMoE default)
+    relu_l1_init: float = 1e-8     # relu: initial regulariser coefficient lambda_0 (ReMoE default)
     relu_l1_step: float = 1.2      # relu: lambda's multiplicative step alpha (ReMoE default)
+    relu_l1_per_layer: bool = True  # relu: each MoE layer its own lambda (False = ReMoE: one for the model)
+    relu_threshold_step: float = 0.1  # relu: step of the layers' ReLU thresholds (0 = ReMoE: always 0)
     moe_impl: str = 'grouped'  # 'grouped' (torch._grouped_mm where it runs) or 'loop' (a matmul per expert)
     seq_causal: bool = False   # seqtopk: route every position by the online rule (as in decoding)
     seq_budget: str = 'plain'  # online seqtopk: 'plain' (the paper) or 'strict' (no prefix overspends)
@@ -305,16 +307,28 @@ class GPT(nn.Module):
             n -= n_moe * (cfg.n_exp - cfg.top_k) * 2 * cfg.n_embd * cfg.exp_dim
         return n
 
-    def forward(self, idx, targets=None, cache=None, causal=None):
+    def routers(self):
+        """The Router of every MoE layer, in order."""
+        return [block.ffn.router for block in self.transformer.h if isinstance(block.ffn, MoE)]
+
+    def forward(self, idx, targets=None, cache=None, causal=None, moe_ks=None):
         """Returns logits, the cross-entropy (None without targets) and aux, a dict holding the
         weighted auxiliary loss and each MoE layer's routing (mask, scores) for statistics.
         cache: a Cache to decode with (idx are then the tokens after cache.pos); causal: route
-        seqtopk by the online rule (default: config.seq_causal; always, when decoding)."""
+        seqtopk by the online rule (default: config.seq_causal; always, when decoding).
+        moe_ks: mrltopk in training, the k of each MoE layer for this step (plain ints, e.g. from
+        router.mrltopk_draw with a seeded generator); None draws them from torch's default generator.
+        In training, relu's routers also record their active fractions for adapt_relu."""
         B, T = idx.shape
         start = 0 if cache is None else cache.pos
         if start + T > self.config.block_size:
             raise ValueError(f"sequence of length {start + T} is longer than block_size={self.config.block_size}")
         causal = (cache is not None or self.config.seq_causal) if causal is None else causal
+        routers = self.routers()
+        if self.config.router == 'mrltopk' and self.training:
+            moe_ks = mrltopk_draw(self.config.top_k, len(routers)) if moe_ks is None else moe_ks
+            for router, k in zip(routers, moe_ks, strict=True):
+                router.k = k
         pos = torch.arange(start, start + T, dtype=torch.long, device=idx.device)
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
         aux_loss, routing = 0.0, []
@@ -331,6 +345,29 @@ class GPT(nn.Module):
         logits = self.lm_head(x)
         loss = F.cross_entropy(logits.flatten(0, 1), targets.reshape(-1), ignore_index=-1)
         return logits, loss, dict(aux_loss=aux_loss, routing=routing)
+
+    @torch.no_grad()
+    def adapt_relu(self):
+        """relu, once per optimizer step (after the ranks' router state is averaged), from the active
+        fractions measured in the training forwards since the last call (then cleared): lambda from
+        each layer's own (ReMoE: from their mean over every MoE layer, one lambda), and each layer's
+        ReLU threshold from its own. Nothing measured (no training forward): nothing changes."""
+        routers, cfg = self.routers(), self.config
+        if cfg.router != 'relu' or not routers:
+            return
+        for group in ([[r] for r in routers] if cfg.relu_l1_per_layer else [routers]):
+            count = sum(r.active_count for r in group)
+            active = sum(r.active_sum for r in group) / count.clamp_min(1)
+            l1_coef = torch.where(count > 0, next_relu_coef(group[0].l1_coef, active, cfg.top_k, cfg.n_exp,
+                                                            cfg.relu_l1_step), group[0].l1_coef)  # no host sync
+            for router in group:
+                router.l1_coef.copy_(l1_coef)
+        for router in routers:
+            active = router.active_sum / router.active_count.clamp_min(1)
+            router.threshold.copy_(torch.where(router.active_count > 0, next_relu_threshold(
+                router.threshold, active, cfg.top_k, cfg.n_exp, cfg.relu_threshold_step), router.threshold))
+            router.active_sum.zero_()
+            router.active_count.zero_()
 
     def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
         params = [p for p in self.parameters() if p.requires_grad]

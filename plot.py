@@ -3,6 +3,13 @@ The paper's routing figures, from the metrics logs of finished runs (nothing is 
 
     python plot.py out-topk out-seqtopk                   # PNGs into the runs' common parent folder
     python plot.py sweeps/cpu/topk-k2-s1 sweeps/cpu/seqtopk-k2-s1 --out=sweeps/cpu
+    python plot.py --sweep=sweeps/finetune_cpu/sweep.json # the sweep's figures, next to its sweep.json
+
+With --sweep (the sweep.json written by sweep.py):
+  paired_difference.png     every router's paired val-CE difference from topk vs K, mean over seeds
+                            with the 95% t-interval as error bars; fine-tuned (or pretrained) and
+                            training-free panels; dense rows are in the table, not here
+and the routing figures below for the sweep's trained runs at its smallest K, first seed, every router.
 
 Writes, for the runs given (each an out_dir holding log.jsonl):
   load_variance.png         expert-load coefficient of variation over training (paper Fig. 4a)
@@ -28,6 +35,8 @@ def load_run(out_dir):
     evals = [r for r in records if r.get('event') == 'eval']
     if not evals:
         raise SystemExit(f"error: {path} has no eval records yet")
+    if not evals[-1].get('layers'):
+        raise SystemExit(f"error: {out_dir} is a dense run (no MoE layers): it has no routing to plot")
     start = next((r for r in records if r.get('event') == 'start'), {})
     args = start.get('model_args', {})
     label = f"{args.get('router', os.path.basename(out_dir.rstrip('/')))} K={args.get('top_k', '?')}"
@@ -100,11 +109,78 @@ def plot_all(runs, out):
     return written
 
 
+def plot_paired_differences(sweep, out):
+    """Paired difference from topk vs K, one panel per kind of row (trained, training-free)."""
+    rows = [r for r in sweep['rows'] if r['router'] not in ('topk', 'dense') and r['diff_vs_topk'] is not None]
+    kinds = [kind for kind in ('train', 'training-free') if any(r['kind'] == kind for r in rows)]
+    if not kinds:
+        raise SystemExit("error: the sweep has no router besides topk to compare")
+    fig, axes = plt.subplots(1, len(kinds), figsize=(6 * len(kinds), 4.2), squeeze=False, sharey=True)
+    series = sorted({r['router'] for r in rows})
+    seeds = max(r['diff_n'] for r in rows)
+    for ax, kind in zip(axes[0], kinds):
+        title = {'train': 'fine-tuned' if sweep.get('finetune') else 'pretrained', 'training-free': 'training-free'}
+        ax.set_title(f"{title[kind]}: val CE minus topk's, same seed")
+        ax.axhline(0, color='black', lw=0.8)
+        for i, router in enumerate(series):
+            for causal in (False, True):
+                picked = sorted((r for r in rows if r['router'] == router and r['kind'] == kind), key=lambda r: r['K'])
+                if not picked or (causal and router != 'seqtopk'):  # the others route causally anyway
+                    continue
+                key = 'diff_causal' if causal else 'diff'
+                mean = [r[f'{key}_vs_topk'] for r in picked]
+                low = [r[f'{key}_low'] for r in picked]
+                errors = None if None in low else [[m - lo for m, lo in zip(mean, low)],
+                                                  [r[f'{key}_high'] - m for r, m in zip(picked, mean)]]
+                shift = 1 + 0.04 * (2 * i + causal - len(series))  # side by side around each K (log axis)
+                ax.errorbar([r['K'] * shift for r in picked], mean, yerr=errors, marker='o', capsize=3, color=f'C{i}',
+                            ls='--' if causal else '-', label=router + (' (causal routing)' if causal else ''))
+        ks = sorted({r['K'] for r in rows})
+        ax.set_xscale('log', base=2)
+        ax.set_xlim(ks[0] / 1.6, ks[-1] * 1.6)
+        ax.set_xticks(ks, [str(k) for k in ks])
+        ax.minorticks_off()
+        ax.set_xlabel('K (experts per token)')
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    axes[0][0].set_ylabel('Δ val cross-entropy vs topk (nats)' + (
+        f'\nmean over {seeds} seeds, 95% t-interval' if seeds > 1 else '\n1 seed: no interval'))
+    fig.tight_layout()
+    path = os.path.join(out, 'paired_difference.png')
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def sweep_runs(sweep, folder):
+    """The out_dirs of the sweep's trained runs at its smallest K, first seed, one per router."""
+    trained = [r for r in sweep['runs'] if r.get('kind') == 'train']
+    if not trained:
+        return []
+    k, seed = min(r['top_k'] for r in trained), min(r['seed'] for r in trained)
+    return [os.path.join(folder, r['name']) for r in trained if r['top_k'] == k and r['seed'] == seed]
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument('runs', nargs='+', help="out_dirs of train.py runs")
+    parser.add_argument('runs', nargs='*', help="out_dirs of train.py runs")
+    parser.add_argument('--sweep', default=None, help="a sweep.json: its paired-difference and routing figures")
     parser.add_argument('--out', default=None, help="folder for the PNGs (default: the runs' common parent)")
     args = parser.parse_args(argv)
+    if args.sweep:
+        if not os.path.exists(args.sweep):
+            raise SystemExit(f"error: no {args.sweep}; run sweep.py first")
+        sweep = json.load(open(args.sweep))
+        folder = os.path.dirname(os.path.abspath(args.sweep))
+        out = args.out or folder
+        os.makedirs(out, exist_ok=True)
+        print(f"wrote {plot_paired_differences(sweep, out)}")
+        args.runs = args.runs or sweep_runs(sweep, folder)
+        args.out = out
+        if not args.runs:
+            return
+    if not args.runs:
+        parser.error("give out_dirs of train.py runs, or --sweep=sweep.json")
     runs = [load_run(d) for d in args.runs]
     # one run: its own folder; several: the folder they share (e.g. the sweep's out_root)
     out = args.out or (args.runs[0] if len(args.runs) == 1 else

@@ -7,20 +7,35 @@ True when token t of sequence b is sent to expert i. The model turns any mask in
 outputs through one dispatch path (model.py), so a new router is just a new function here.
 
 The Router module at the bottom owns the gate (a linear layer, run in fp32) and the little state
-two routers need (batchtopk's threshold, relu's L1 coefficient), kept as buffers so it travels in
-checkpoints. The selection itself is always one of the pure functions above it.
+two routers need (batchtopk's threshold; relu's regulariser coefficient and ReLU threshold), kept as
+buffers so it travels in checkpoints. The selection itself is always one of the pure functions above it.
 """
 import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
-ROUTERS = ('topk', 'seqtopk', 'batchtopk', 'relu')
+ROUTERS = ('topk', 'mrltopk', 'seqtopk', 'batchtopk', 'relu')
 
 
 def topk_mask(scores, k):
     # Eq. (3), TopK routing: each token takes its own k highest-scoring experts.
     idx = scores.topk(k, dim=-1).indices
     return torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, idx, True)
+
+
+def mrltopk_budgets(k):
+    """The k's an MRL-TopK layer may draw in training: 2^1, ..., 2^floor(log2 k), and k itself when it
+    is not a power of two (k=6: 2, 4, 6), so the evaluation budget is always one of them; k=1: just 1."""
+    budgets = [2 ** i for i in range(1, k.bit_length())]
+    return budgets + [k] if k not in budgets else budgets
+
+
+def mrltopk_draw(k, n_layers, generator=None):
+    # MRL-TopK (appendix "LLM fine-tuning Experiment Setting"): each layer's k ~ Uniform{2^1..2^log2 K}.
+    """One training step's budgets, one per MoE layer, as plain ints (static shapes); each layer then
+    routes as topk_mask with its own k, and evaluation and generation use k itself."""
+    budgets = mrltopk_budgets(k)
+    return [budgets[i] for i in torch.randint(len(budgets), (n_layers,), generator=generator).tolist()]
 
 
 def seqtopk_bounds(k, n_exp, min_k=1, max_k=None):
@@ -120,9 +135,36 @@ def threshold_mask(scores, threshold):
     return scores > threshold
 
 
-def relu_gates(logits):
-    # ReMoE: gates = ReLU(router logits); an expert is active wherever its gate is positive.
-    return F.relu(logits)
+def relu_gates(logits, threshold=0.0):
+    # ReMoE: gates = ReLU(router logits); an expert is active wherever its gate is positive. Here the
+    # ReLU may open below 0, at a per-layer threshold <= 0 (0 = ReMoE; see next_relu_threshold).
+    return F.relu(logits - threshold)
+
+
+def switch_balance(probs, mask, k):
+    # Switch load balance (Fedus et al.), Megatron's form: N * sum_e mean_t(probs_e) * tokens_e / (tokens * k).
+    """ReMoE applies it to the ReLU gates as its sparsity-and-balance regulariser (thu-ml/ReMoE's
+    ReLURouter.apply_l1_reg, megatron/core/transformer/moe/router.py): each expert's L1 is weighted by
+    its share of the tokens."""
+    probs, mask = probs.flatten(0, -2), mask.flatten(0, -2)
+    tokens_per_expert = mask.sum(0).to(probs.dtype)  # counts: no gradient flows through them
+    return probs.shape[-1] * (probs.mean(0) * tokens_per_expert).sum() / (mask.shape[0] * k)
+
+
+def next_relu_threshold(threshold, active_frac, k, n_exp, step=0.1):
+    # Not in ReMoE, which can only push gates shut (lambda >= 0): a layer left too sparse, whose closed
+    # gates get no gradient, reopens as its threshold falls by step x relative error (active - K/N) / (K/N).
+    """The next ReLU threshold of one layer (a tensor), never above ReMoE's 0: closing stays lambda's job.
+    step = 0 keeps ReMoE's threshold of 0."""
+    target = k / n_exp
+    return (threshold + step * (active_frac - target) / target).clamp(max=0.0)
+
+
+def next_relu_coef(l1_coef, active_frac, k, n_exp, step=1.2):
+    # ReMoE's controller (thu-ml/ReMoE's megatron/training/training.py): lambda x step when the active
+    # fraction (ReMoE: its mean over all MoE layers, one lambda) is above K/N (too dense), / step otherwise.
+    """The next lambda (a tensor: no host sync), kept within [1e-12, 1e3] against under/overflow."""
+    return (l1_coef * torch.where(active_frac > k / n_exp, step, 1 / step)).clamp(1e-12, 1e3)
 
 
 def routing_weights(scores, mask, renormalize=False):
@@ -147,7 +189,8 @@ class Router(nn.Module):
     """Token features (B, T, C) -> mask (B, T, N), gate weights (B, T, N), scores, auxiliary loss.
 
     config fields used: n_embd, n_exp, router, top_k, seq_min_k, seq_max_k (0 = top_k + 2), seq_budget,
-    norm_topk_prob, aux_loss_weight, z_loss_weight, threshold_decay, relu_l1_init, relu_l1_step.
+    norm_topk_prob, aux_loss_weight, z_loss_weight, threshold_decay, relu_l1_init (the step rules are
+    applied by GPT.adapt_relu).
     """
 
     def __init__(self, config):
@@ -155,24 +198,36 @@ class Router(nn.Module):
         check_router(config.router, config.top_k, config.n_exp, config.seq_min_k, config.seq_max_k or None)
         self.config = config
         self.gate = nn.Linear(config.n_embd, config.n_exp, bias=False)
-        # batchtopk: EMA of the smallest selected score in training; 0 = not yet seen a batch
+        # mrltopk: the k this layer routes with in the current training step (GPT.forward sets it)
+        self.k = config.top_k
+        # batchtopk: EMA of the smallest selected score in training (0 = not yet seen a batch);
+        # relu: the logit at which this layer's ReLU gates open (0 = ReMoE's ReLU)
         self.register_buffer('threshold', torch.zeros(()))
-        # relu: L1 coefficient lambda, adapted every training step toward sparsity 1 - k/N
+        # relu: ReMoE's regulariser coefficient lambda (this layer's, or one value for the whole model,
+        # each layer a copy), and the sum and count of this layer's active fractions over the training
+        # forwards since GPT.adapt_relu last stepped lambda and the threshold
         self.register_buffer('l1_coef', torch.tensor(float(config.relu_l1_init)))
-        self.register_buffer('active_frac', torch.tensor(config.top_k / config.n_exp))
+        self.register_buffer('active_sum', torch.zeros(()))
+        self.register_buffer('active_count', torch.zeros(()))
+
+    def budget(self):
+        """Experts per token this layer routes with now: mrltopk's draw in training, else top_k."""
+        return self.k if self.config.router == 'mrltopk' and self.training else self.config.top_k
 
     def fixed_pairs(self, n_tokens, causal=False):
         """How many (token, expert) pairs the selection of n_tokens makes, when that is known before it
         runs (the exact budgets), else None. The dispatch then runs with static shapes and no sync."""
         cfg = self.config
-        exact = (cfg.router == 'topk' or (cfg.router == 'seqtopk' and not causal)
+        exact = (cfg.router in ('topk', 'mrltopk') or (cfg.router == 'seqtopk' and not causal)
                  or (cfg.router == 'batchtopk' and self.training))
-        return n_tokens * cfg.top_k if exact else None
+        return n_tokens * self.budget() if exact else None
 
     def select(self, scores, cache=None, causal=False):
         cfg = self.config
         if cfg.router == 'topk':
             return topk_mask(scores, cfg.top_k)
+        if cfg.router == 'mrltopk':  # training: this step's draw; evaluation and generation: top_k
+            return topk_mask(scores, self.budget())
         if cfg.router == 'seqtopk':
             bounds = (cfg.top_k, cfg.seq_min_k, cfg.seq_max_k or None)
             if cache is None and not causal:
@@ -208,24 +263,20 @@ class Router(nn.Module):
             logits = F.linear(x.float(), self.gate.weight.float())
         scores = logits.softmax(dim=-1)
         if cfg.router == 'relu':
-            weights = relu_gates(logits)
+            weights = relu_gates(logits, self.threshold)
             mask = weights > 0
-            # ReMoE's L1 penalty (no z-loss: pulling logits down would close every ReLU gate)
-            aux_loss = self.l1_coef.clone() * weights.sum(dim=-1).mean()
+            # ReMoE's one regulariser, also its load balancer: lambda * Switch formula on the gates
+            # (no z-loss: pulling logits down would close every ReLU gate; no softmax balance loss)
+            aux_loss = self.l1_coef.clone() * switch_balance(weights, mask, cfg.top_k)
             if self.training:
-                with torch.no_grad():  # lambda *= alpha when too dense, /= alpha when too sparse
-                    self.active_frac.copy_(mask.float().mean())
-                    too_dense = self.active_frac > cfg.top_k / cfg.n_exp
-                    step = torch.where(too_dense, cfg.relu_l1_step, 1 / cfg.relu_l1_step)
-                    self.l1_coef.mul_(step).clamp_(1e-12, 1e3)
+                with torch.no_grad():
+                    self.active_sum.add_(mask.float().mean())
+                    self.active_count.add_(1)
         else:
             mask = self.select(scores, cache, causal)
             weights = routing_weights(scores, mask, cfg.norm_topk_prob)
-            aux_loss = cfg.z_loss_weight * logits.logsumexp(dim=-1).square().mean()  # router z-loss
-        # Switch load balance: N * sum_e (share of assignments to e) * (mean score of e)
-        load = mask.flatten(0, 1).sum(0).float()
-        mean_score = scores.flatten(0, 1).mean(0)
-        aux_loss = aux_loss + cfg.aux_loss_weight * cfg.n_exp * (load / load.sum().clamp_min(1) * mean_score).sum()
+            aux_loss = (cfg.aux_loss_weight * switch_balance(scores, mask, self.budget())
+                        + cfg.z_loss_weight * logits.logsumexp(dim=-1).square().mean())  # router z-loss
         return mask, weights, scores, aux_loss
 
 

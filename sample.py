@@ -108,12 +108,13 @@ if __name__ == '__main__':
             counts.append([mask[0, -1].sum().item() for mask, _ in routing])
         try:
             y = model.generate(x, max_new_tokens, temperature=temperature, sample_top_k=sample_top_k or None,
-                               use_cache=use_cache, prompt_routing=prompt_routing, on_step=count_experts)
+                               use_cache=use_cache, prompt_routing=prompt_routing,
+                               on_step=count_experts if model.routers() else None)  # a dense GPT routes nothing
         except ValueError as e:
             fail(e)
         # every generated token but the last went through the MoE layers as the newest token
         counts = torch.tensor(counts[1:], dtype=torch.long)
-        if color:
+        if color and len(counts):
             print(colored(y[0].tolist(), prompt_counts + counts.float().mean(1).tolist(), decode, cfg.top_k))
         else:
             print(decode(y[0].tolist()))

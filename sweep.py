@@ -1,53 +1,62 @@
 """
-Sparsity sweeps: routers x top_k x seeds on the same data, model and step budget, as in the paper's
-Table 1. Each run is a plain `python train.py ...` in its own out_dir; finished runs are skipped,
-so an interrupted sweep continues where it stopped.
+Sparsity sweeps: routers x K x seeds, each run a plain train.py run in out_root/<name>/, tabulated
+with every router's paired difference from topk (same seed = same initialisation and batches).
 
-    python sweep.py config/sweep_cpu.py              # pretraining sweep, about an hour on 2 CPU cores
-    python sweep.py config/sweep_finetune_cpu.py     # pretrain TopK once, fine-tune it at each K
-    python sweep.py config/sweep_gpu.py
+    python sweep.py config/sweep_cpu.py                 # pretraining, with dense rows
+    python sweep.py config/sweep_finetune_cpu.py        # the paper's Table 1 protocol
+    python sweep.py --routers=topk,seqtopk --top_ks=4,2 --seeds=1,2,3 --max_iters=300
 
-Prints a Markdown table (router, K, K/N, val cross-entropy mean +- std over seeds with offline and
-causal routing, experts per token, wall time) and writes sweep.json / sweep.csv into out_root.
-With finetune=True the sweep first pretrains one TopK model (pretrain_k, pretrain_iters) and every
-run starts from it (train.py --init_from=<its checkpoint>); the table then also has "training-free"
-rows per router and K: the TopK checkpoint evaluated with that routing and no training.
+Finished runs are reused (a run counts as finished when its log.jsonl holds the 'done' record), so
+an interrupted sweep picks up where it stopped. finetune=True pretrains TopK at K=pretrain_k once per
+seed, fine-tunes that checkpoint with every router at every K, and adds "training-free" rows: the
+TopK checkpoint evaluated with that routing and no training (mrltopk is left out there: its
+evaluation is topk's). dense='active,total' adds dense GPTs (--moe_every=0) trained like the MoE
+runs: FFN width K*exp_dim (the MoE's active parameters at each K) and n_exp*exp_dim (its total).
+
+Writes out_root/sweep.json (rows, per-run records) and out_root/sweep.csv (rows).
 """
 import csv
 import json
+import math
 import os
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from functools import lru_cache
 
 import numpy as np
 
-from configurator import apply_overrides, each, non_empty, non_negative_int, one_of, positive_int, validate
+from configurator import Rule, apply_overrides, each, non_empty, non_negative_int, one_of, positive_int, validate
 from router import ROUTERS
 
 # -----------------------------------------------------------------------------
 out_root = 'sweeps/cpu'
-routers = 'topk,seqtopk'
+routers = 'topk,seqtopk'  # topk first: the paired differences are against it
 top_ks = '8,4,2'
-seeds = '1,2'
+seeds = '1,2,3'
 max_iters = 1500
-finetune = False          # pretrain TopK once, then fine-tune every (router, K) from it
+dense = ''                # dense rows (pretraining only): 'active', 'total' or 'active,total'
+finetune = False          # pretrain TopK once per seed, then fine-tune every (router, K) from it
 pretrain_k = 8
 pretrain_iters = 1500
+finetune_args = ''        # passed to the fine-tuning runs only (after train_args), e.g. '--learning_rate=1e-3'
+jobs = 1                  # runs at once; with more than one, each run gets cpu_count // jobs threads
 train_args = '--n_exp=32 --exp_dim=32 --eval_interval=500'  # passed to every train.py run
 # -----------------------------------------------------------------------------
 # what each setting may be (configurator.py), checked before anything runs; train.py checks train_args itself
 RULES = dict(out_root=non_empty, routers=each(one_of(*ROUTERS)), top_ks=each(positive_int, int),
              seeds=each(non_negative_int, int), max_iters=positive_int, pretrain_k=positive_int,
-             pretrain_iters=positive_int)
-apply_overrides(globals(), sys.argv[1:])
-validate({k: v for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str))},
-         RULES)
+             pretrain_iters=positive_int, jobs=positive_int,
+             dense=Rule(lambda v: v == '' or all(item in ('active', 'total') for item in v.split(',')),
+                        "'' (none), 'active', 'total' or 'active,total'"))
 HERE = os.path.dirname(os.path.abspath(__file__))
+print_lock = threading.Lock()
 
 
 def last_eval(out_dir):
-    """The final eval record of a finished run, or None."""
+    """The final record of a finished run, or None."""
     path = os.path.join(out_dir, 'log.jsonl')
     if not os.path.exists(path):
         return None
@@ -56,16 +65,69 @@ def last_eval(out_dir):
     return done[-1] if done else None
 
 
+def model_args(out_dir):
+    """The model settings a finished run was built with (its log's 'start' record)."""
+    for line in open(os.path.join(out_dir, 'log.jsonl')):
+        record = json.loads(line)
+        if record.get('event') == 'start':
+            return record['model_args']
+    raise SystemExit(f"error: {out_dir}/log.jsonl has no start record")
+
+
 def train(out_dir, *args):
     """Run train.py unless out_dir already holds a finished run; return its final record."""
     if last_eval(out_dir) is None:
         cmd = [sys.executable, os.path.join(HERE, 'train.py'), *train_args.split(), *args,
                f'--out_dir={out_dir}', '--overwrite=True']
-        print('$', ' '.join(cmd[1:]), flush=True)
+        env = dict(os.environ)
+        if jobs > 1:  # share the cores: one run's threads should not contend with the other's
+            env['OMP_NUM_THREADS'] = str(max(1, (os.cpu_count() or 1) // jobs))
+        with print_lock:
+            print('$', ' '.join(cmd[1:]), flush=True)
         with open(out_dir + '.out', 'w') as log:
-            if subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT).returncode != 0:
+            if subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env).returncode != 0:
                 raise SystemExit(f"error: run failed, see {out_dir}.out")
     return last_eval(out_dir)
+
+
+# -----------------------------------------------------------------------------
+# paired statistics: routers trained with the same seed share the initialisation and the batches
+
+@lru_cache(maxsize=None)
+def t_quantile(p, df):
+    """Student's t quantile for p > 0.5 (no scipy): bisection on the CDF, whose density is integrated
+    by Simpson's rule. t_quantile(0.975, 1) = 12.706, (0.975, 2) = 4.303, (0.975, 30) = 2.042."""
+    log_c = math.lgamma((df + 1) / 2) - math.lgamma(df / 2) - 0.5 * math.log(df * math.pi)
+
+    def cdf(x, n=2000):  # P(T <= x), x >= 0
+        f = [math.exp(log_c - (df + 1) / 2 * math.log1p((x * i / n) ** 2 / df)) for i in range(n + 1)]
+        return 0.5 + x / n / 3 * (f[0] + f[-1] + 4 * sum(f[1:-1:2]) + 2 * sum(f[2:-1:2]))
+    lo, hi = 0.0, 100.0
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if cdf(mid) < p else (lo, mid)
+    return (lo + hi) / 2
+
+
+def paired_difference(a, b, level=0.95):
+    """a, b: {seed: value}. The mean over the seeds both have of a[seed] - b[seed], with its t-interval
+    (mean +- t * sd / sqrt(n)); low and high are None with a single seed."""
+    diffs = [a[s] - b[s] for s in sorted(a) if s in b and a[s] is not None and b[s] is not None]
+    if not diffs:
+        return dict(mean=None, low=None, high=None, n=0)
+    mean, n = float(np.mean(diffs)), len(diffs)
+    if n == 1:
+        return dict(mean=mean, low=None, high=None, n=1)
+    half = t_quantile(0.5 + level / 2, n - 1) * float(np.std(diffs, ddof=1)) / math.sqrt(n)
+    return dict(mean=mean, low=mean - half, high=mean + half, n=n)
+
+
+def format_difference(d):
+    if d['mean'] is None:
+        return ''
+    if d['low'] is None:
+        return f"{d['mean']:+.4f} (1 seed: no interval)"
+    return f"{d['mean']:+.4f} [{d['low']:+.4f}, {d['high']:+.4f}]"
 
 
 def mean_std(values):
@@ -76,49 +138,159 @@ def mean_std(values):
         float(np.mean(values))
 
 
-def main():
-    os.makedirs(out_root, exist_ok=True)
-    start = time.time()
-    rows, runs = [], []
-    base = None
+# -----------------------------------------------------------------------------
+
+def plan(ks, seed_list, router_list):
+    """The runs of the sweep in the order they start: (group, K, seed, name, args, after).
+    group = (router, kind) names the table row (None: a pretraining run); after is the name of a run
+    that must finish first, or 'moe' for a dense run, whose args are a function of the model settings
+    of a finished MoE run. Seed-major, so a seed's fine-tunes queue behind the other seeds' runs
+    while its pretraining finishes."""
+    runs = []
     if finetune:
-        base_dir = os.path.join(out_root, f'pretrain-topk-k{pretrain_k}')
-        train(base_dir, '--router=topk', f'--top_k={pretrain_k}', f'--max_iters={pretrain_iters}')
-        base = os.path.join(base_dir, 'ckpt.pt')
-    for k in [int(k) for k in top_ks.split(',')]:
-        kinds = [(r, 'train') for r in routers.split(',')]
-        if finetune:  # the pretrained TopK checkpoint evaluated with each router at this K, no training
-            kinds += [(r, 'training-free') for r in routers.split(',')]
-        for router, kind in kinds:
-            finals = []
-            for seed in [int(s) for s in seeds.split(',')]:
+        for seed in seed_list:
+            runs.append((None, pretrain_k, seed, f'pretrain-topk-k{pretrain_k}-s{seed}',
+                         ['--router=topk', f'--top_k={pretrain_k}', f'--seed={seed}', f'--max_iters={pretrain_iters}'],
+                         None))
+    for k in ks:
+        groups = [(r, 'train') for r in router_list]
+        if finetune:  # the pretrained TopK checkpoint evaluated with each routing at this K, no training
+            groups += [(r, 'training-free') for r in router_list if r != 'mrltopk']
+        for router, kind in groups:
+            for seed in seed_list:
                 name = f"{'ft-' if finetune else ''}{router}-k{k}-s{seed}" + ('-free' if kind != 'train' else '')
                 args = [f'--router={router}', f'--top_k={k}', f'--seed={seed}', f'--max_iters={max_iters}']
-                if finetune:
-                    args.append(f'--init_from={base}')
+                base = f'pretrain-topk-k{pretrain_k}-s{seed}' if finetune else None
+                if base:
+                    args.append(f"--init_from={os.path.join(out_root, base, 'ckpt.pt')}")
+                    args += finetune_args.split() if kind == 'train' else []
                 if kind == 'training-free':
                     args.append('--eval_only=True')
-                final = train(os.path.join(out_root, name), *args)
-                runs.append(dict(final, name=name, kind=kind, seed=seed))
-                finals.append(final)
-            n_exp = finals[0]['n_exp']
-            offline, offline_mean = mean_std([f['val_ce_offline'] for f in finals])
-            causal, causal_mean = mean_std([f.get('val_ce_causal') for f in finals])
-            rows.append(dict(router=router + ('' if kind == 'train' else ' (training-free)'), K=k,
-                             sparsity=f"{k}/{n_exp}", val_ce=offline, val_ce_mean=offline_mean,
-                             val_ce_causal=causal, val_ce_causal_mean=causal_mean,
-                             experts_per_token=float(np.mean([f['experts_mean'] for f in finals])),
-                             wall_s=float(np.mean([f['time'] for f in finals]))))
-    print(f"\n{'Fine-tuning from TopK (K=' + str(pretrain_k) + ')' if finetune else 'Pretraining'}: "
-          f"{max_iters} steps, seeds {seeds}, `{train_args}`\n")
-    print("| router | K | K/N | val CE (offline routing) | val CE (causal routing) | experts/token | wall s/run |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+                runs.append(((router, kind), k, seed, name, args, base))
+    runs.sort(key=lambda run: run[0] is not None and run[2])  # pretraining first, then seed by seed
+    for match in [m for m in dense.split(',') if m]:
+        for k in (ks if match == 'active' else [None]):  # the total-parameter dense model has no K
+            for seed in seed_list:
+                def args(margs, k=k, seed=seed, match=match):
+                    width = (k if match == 'active' else margs['n_exp']) * margs['exp_dim']
+                    return ['--moe_every=0', f'--mlp_dim={width}', f'--seed={seed}', f'--max_iters={max_iters}']
+                name = f"dense-{'active-k' + str(k) if k else 'total'}-s{seed}"
+                runs.append((('dense', match), k, seed, name, args, 'moe'))
+    return runs
+
+
+def run_all(runs):
+    """Run the plan with `jobs` runs at once; returns {name: final record}."""
+    futures, finished = {}, {}
+    moe = []  # the MoE runs' futures: a dense run waits for one, to read n_exp and exp_dim
+
+    def one(name, args, after):
+        if after == 'moe':
+            done, _ = wait(moe, return_when=FIRST_COMPLETED)
+            margs = model_args(os.path.join(out_root, next(iter(done)).result()))
+            if margs['moe_every'] != 1:
+                raise SystemExit("error: dense rows replace every FFN, so they need a sweep of --moe_every=1 models")
+            args = args(margs)
+        elif after is not None:
+            futures[after].result()  # its checkpoint must exist first
+        finished[name] = train(os.path.join(out_root, name), *args)
+        return name
+
+    dataset = next((a.split('=', 1)[1] for a in train_args.split() if a.startswith('--dataset=')), 'shakespeare_char')
+    if jobs > 1 and not os.path.exists(os.path.join('data', dataset, 'train.bin')):
+        one(*runs[0][3:])  # alone: it prepares the data, which parallel runs would race to write
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        for group, k, seed, name, args, after in runs:
+            futures[name] = pool.submit(one, name, args, after)
+            if after != 'moe' and (group is None or group[1] != 'training-free'):
+                moe.append(futures[name])
+        try:
+            for future in futures.values():
+                future.result()  # re-raise a failed run's error
+        except BaseException:
+            pool.shutdown(cancel_futures=True)  # the runs under way finish; no new one starts
+            raise
+    return finished
+
+
+def main():
+    apply_overrides(globals(), sys.argv[1:])
+    validate({k: v for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str))},
+             RULES)
+    ks, seed_list, router_list = ([int(k) for k in top_ks.split(',')], [int(s) for s in seeds.split(',')],
+                                  routers.split(','))
+    if router_list[0] != 'topk':
+        raise SystemExit("error: --routers must start with topk: the paired differences are against it")
+    if dense and finetune:
+        raise SystemExit("error: dense rows compare pretraining runs (a dense model has no routing to fine-tune)")
+    os.makedirs(out_root, exist_ok=True)
+    start = time.time()
+    runs = plan(ks, seed_list, router_list)
+    finished = run_all(runs)
+
+    # rows: one per (group, K), its seeds' values side by side
+    by_group = {}
+    for group, k, seed, name, _, _ in runs:
+        if group is not None:
+            by_group.setdefault((group, k), {})[seed] = dict(finished[name], name=name)
+    rows, records = [], []
+    for k in ks:
+        topk = {kind: by_group[(('topk', kind), k)] for kind in ('train', 'training-free')
+                if (('topk', kind), k) in by_group}
+        groups = [g for (g, gk) in by_group if gk == k] + [g for (g, gk) in by_group if gk is None]
+        for group in groups:
+            per_seed = by_group[(group, k)] if (group, k) in by_group else by_group[(group, None)]
+            router, kind = group
+            finals = [per_seed[s] for s in sorted(per_seed)]
+            offline = {s: f['val_ce_offline'] for s, f in per_seed.items()}
+            causal = {s: f['val_ce_causal'] if f['val_ce_causal'] is not None else f['val_ce_offline']
+                      for s, f in per_seed.items()}
+            reference = topk.get('train' if router == 'dense' else kind)
+            same = router == 'topk'
+            d_off = paired_difference(offline, {s: f['val_ce_offline'] for s, f in reference.items()}) \
+                if reference and not same else paired_difference({}, {})
+            d_causal = paired_difference(causal, {s: f['val_ce_offline'] for s, f in reference.items()}) \
+                if reference and not same else paired_difference({}, {})
+            label = ({'active': f'dense, = active params (FFN {finals[0]["mlp_dim"]})',
+                      'total': f'dense, = total params (FFN {finals[0]["mlp_dim"]})'}[kind] if router == 'dense'
+                     else router + ('' if kind == 'train' else ' (training-free)') +
+                     (' (fine-tuned)' if finetune and kind == 'train' else ''))
+            offline_s, offline_mean = mean_std(offline.values())
+            causal_s, causal_mean = mean_std([f['val_ce_causal'] for f in finals])
+            experts = [f['experts_mean'] for f in finals if f.get('experts_mean') is not None]
+            rows.append(dict(
+                row=label, router=router, kind=kind, K=k, sparsity=f"{k}/{finals[0]['n_exp']}" if router != 'dense' else '',
+                seeds=len(finals), params=finals[0].get('params'), active_params=finals[0].get('active_params'),
+                val_ce=offline_s, val_ce_mean=offline_mean, val_ce_causal=causal_s, val_ce_causal_mean=causal_mean,
+                diff_vs_topk=d_off['mean'], diff_low=d_off['low'], diff_high=d_off['high'], diff_n=d_off['n'],
+                diff_causal_vs_topk=d_causal['mean'], diff_causal_low=d_causal['low'],
+                diff_causal_high=d_causal['high'],
+                experts_per_token=float(np.mean(experts)) if experts else None,
+                wall_s=float(np.mean([f['time'] for f in finals]))))
+    records = [dict(finished[name], name=name, kind=group[1] if group else 'pretrain', seed=seed)
+               for group, _, seed, name, _, _ in runs]
+
+    title = (f"Fine-tuning from TopK (K={pretrain_k}, {pretrain_iters} steps)" if finetune else "Pretraining")
+    print(f"\n{title}: {max_iters} steps, seeds {seeds}, `{train_args}`" +
+          (f", fine-tuning with `{finetune_args}`" if finetune and finetune_args else ''))
+    print("Δ = paired difference of final val cross-entropy from topk's at the same K and seed (same "
+          "initialisation, batches and val batches; training-free rows: from topk training-free), mean over "
+          "seeds [95% t-interval]; negative = lower than topk's\n")
+    print("| row | K | K/N | params (active) | val CE (offline routing) | val CE (causal routing) "
+          "| Δ vs topk (offline) | Δ vs topk (causal) | experts/token | wall s/run |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
-        print(f"| {r['router']} | {r['K']} | {r['sparsity']} | {r['val_ce']} | {r['val_ce_causal'] or 'same'} "
-              f"| {r['experts_per_token']:.2f} | {r['wall_s']:.0f} |")
+        params = f"{r['params'] / 1e6:.2f}M ({r['active_params'] / 1e6:.2f}M)" if r['params'] else ''
+        experts = f"{r['experts_per_token']:.2f}" if r['experts_per_token'] is not None else 'dense'
+        print(f"| {r['row']} | {r['K'] or ''} | {r['sparsity']} | {params} | {r['val_ce']} "
+              f"| {r['val_ce_causal'] or 'same'} "
+              f"| {format_difference(dict(mean=r['diff_vs_topk'], low=r['diff_low'], high=r['diff_high']))} "
+              f"| {format_difference(dict(mean=r['diff_causal_vs_topk'], low=r['diff_causal_low'], high=r['diff_causal_high']))} "
+              f"| {experts} | {r['wall_s']:.0f} |")
     with open(os.path.join(out_root, 'sweep.json'), 'w') as f:
-        json.dump(dict(rows=rows, runs=runs, train_args=train_args, max_iters=max_iters, seeds=seeds,
-                       finetune=finetune), f, indent=2)
+        json.dump(dict(rows=rows, runs=records, train_args=train_args, max_iters=max_iters, seeds=seeds,
+                       finetune=finetune, pretrain_k=pretrain_k, pretrain_iters=pretrain_iters,
+                       finetune_args=finetune_args, dense=dense), f, indent=2)
     with open(os.path.join(out_root, 'sweep.csv'), 'w', newline='') as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from model import GPT, GPTConfig, dispatch
-from router import check_router, seqtopk_mask, topk_mask
+from router import ROUTERS, check_router, mrltopk_budgets, mrltopk_draw, seqtopk_mask, switch_balance, topk_mask
 
 REPO = os.path.dirname(os.path.abspath(__file__))
 OFFLINE_ENV = dict(os.environ, HF_DATASETS_OFFLINE='1', HF_HUB_OFFLINE='1')
@@ -32,6 +32,36 @@ def test_topk_takes_exactly_k_experts_per_token():
     assert (mask.sum(-1) == 3).all()
     # and they are the token's best: every selected score >= every unselected one
     assert (scores.masked_fill(~mask, 2).amin(-1) >= scores.masked_fill(mask, -1).amax(-1)).all()
+
+
+@pytest.mark.parametrize("k,budgets", [(8, [2, 4, 8]), (4, [2, 4]), (2, [2]), (1, [1]), (6, [2, 4, 6]),
+                                       (12, [2, 4, 8, 12]), (64, [2, 4, 8, 16, 32, 64])])
+def test_mrltopk_draws_from_the_powers_of_two_up_to_k_plus_k_itself(k, budgets):
+    assert mrltopk_budgets(k) == budgets
+    draws = mrltopk_draw(k, 3000, torch.Generator().manual_seed(0))
+    assert len(draws) == 3000 and all(isinstance(d, int) for d in draws)  # plain ints: static shapes
+    counts = np.array([draws.count(b) for b in budgets])
+    assert counts.sum() == 3000 and (abs(counts / 3000 - 1 / len(budgets)) < 0.04).all()  # uniform
+    assert draws == mrltopk_draw(k, 3000, torch.Generator().manual_seed(0))  # reproducible from the seed
+
+
+def test_mrltopk_routes_each_token_to_its_layers_drawn_k_in_training_and_k_at_evaluation():
+    model = GPT(tiny_config('mrltopk', n_exp=8, top_k=4, n_layer=3))
+    x = torch.randint(0, 16, (2, 16), generator=torch.Generator().manual_seed(0))
+    _, _, aux = model(x, moe_ks=[2, 4, 2])  # training mode: each layer its own k
+    assert [mask.sum(-1).unique().tolist() for mask, _ in aux['routing']] == [[2], [4], [2]]
+    for (mask, scores), k in zip(aux['routing'], (2, 4, 2)):
+        assert torch.equal(mask, topk_mask(scores, k))  # the token's best k, as topk
+    seen = set()
+    for _ in range(20):  # no draws given: each layer draws from torch's default generator
+        _, _, aux = model(x)
+        seen |= {int(mask.sum(-1).unique()) for mask, _ in aux['routing']}
+    assert seen == {2, 4}
+    model.eval()
+    _, _, aux = model(x, moe_ks=[2, 2, 2])  # evaluation ignores draws: every token takes top_k
+    assert all((mask.sum(-1) == 4).all() for mask, _ in aux['routing'])
+    assert torch.equal(model.generate(x[:, :3], 8, temperature=0), model.generate(x[:, :3], 8, temperature=0,
+                                                                                   use_cache=False))
 
 
 @pytest.mark.parametrize("k,min_k,max_k", [(2, 1, None), (3, 1, None), (2, 0, 8), (2, 2, 2), (4, 1, 8)])
@@ -158,13 +188,13 @@ def train_step(model, x, y):
     return ce.detach(), [p.grad.clone() for p in model.parameters()]
 
 
-@pytest.mark.parametrize("router", ["topk", "seqtopk", "batchtopk"])
+@pytest.mark.parametrize("router", ["topk", "mrltopk", "seqtopk", "batchtopk"])
 def test_the_exact_budgets_dispatch_with_static_shapes_equal_to_the_dynamic_path(router, monkeypatch):
     from router import Router
     torch.manual_seed(0)
     model = GPT(tiny_config(router))
     x, y = next(counting_batches(seed=7))
-    # topk, seqtopk and batchtopk in training know their B*T*k pairs before routing ...
+    # topk, mrltopk, seqtopk and batchtopk in training know their B*T*k pairs before routing ...
     assert [b.ffn.router.fixed_pairs(x.numel()) for b in model.transformer.h] == [x.numel() * 2] * 2
     static = train_step(model, x, y)
     # ... and give the same loss and gradients as the path that counts the pairs (relu's)
@@ -175,7 +205,7 @@ def test_the_exact_budgets_dispatch_with_static_shapes_equal_to_the_dynamic_path
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("router", ["topk", "seqtopk", "batchtopk"])
+@pytest.mark.parametrize("router", ["topk", "mrltopk", "seqtopk", "batchtopk"])
 def test_a_training_step_of_the_exact_budgets_never_waits_on_a_data_dependent_size(router):
     from torch.profiler import profile
     torch.manual_seed(0)
@@ -300,13 +330,14 @@ def train_tiny(model, steps, lr=3e-3, check=None):
         (ce + aux['aux_loss']).backward()
         opt.step()
         opt.zero_grad()
+        model.adapt_relu()  # relu's lambda, once per step (a no-op for the other routers)
         losses.append(ce.item())
         if check:
             check(aux['routing'])
     return losses
 
 
-@pytest.mark.parametrize("router", ["topk", "seqtopk", "batchtopk", "relu"])
+@pytest.mark.parametrize("router", ROUTERS)
 def test_a_tiny_model_learns_with_each_router(router):
     torch.manual_seed(0)
     model = GPT(tiny_config(router))
@@ -352,15 +383,90 @@ def test_batchtopk_evaluation_does_not_depend_on_the_rest_of_the_batch():
 def test_relu_routing_moves_the_active_fraction_toward_k_over_n():
     torch.manual_seed(0)
     model = GPT(tiny_config('relu', n_exp=8, relu_l1_init=1e-4))
-    routers = [b.ffn.router for b in model.transformer.h]
+    routers = model.routers()
     target = 2 / 8
     fractions = []
     train_tiny(model, 60, check=lambda routing: fractions.append(
         np.mean([mask.float().mean().item() for mask, _ in routing])))
     start, end = abs(np.mean(fractions[:5]) - target), abs(np.mean(fractions[-10:]) - target)
     assert start > 0.15 and end < start / 2, (fractions[:5], fractions[-10:])
-    assert all(r.l1_coef.item() != 1e-4 for r in routers)  # lambda adapted
+    assert routers[0].l1_coef.item() != 1e-4  # lambda adapted
     assert 'transformer.h.0.ffn.router.l1_coef' in model.state_dict()
+
+
+def test_remoe_regulariser_is_the_switch_formula_on_the_relu_gates():
+    # hand computation: 4 tokens, 3 experts, K=1: N * sum_e mean_t(gate_e) * tokens_e / (tokens * K)
+    gates = torch.tensor([[0.5, 0.0, 0.0], [0.2, 0.4, 0.0], [0.0, 0.0, 0.0], [0.3, 0.0, 0.8]], requires_grad=True)
+    mask = gates > 0
+    mean_gate, tokens = [0.25, 0.1, 0.2], [3, 1, 1]
+    expected = 3 * sum(g * n for g, n in zip(mean_gate, tokens)) / (4 * 1)
+    value = switch_balance(gates, mask, 1)
+    assert value.item() == pytest.approx(expected)
+    value.backward()  # an L1 on each gate, weighted by its expert's token count: busy experts shrink most
+    assert torch.allclose(gates.grad, torch.tensor([3.0, 1.0, 1.0]).expand(4, 3) * 3 / (4 * 4))
+
+
+def test_relu_loss_is_lambda_times_remoe_regulariser_alone():
+    # no softmax balance loss and no z-loss for relu, whatever their weights say
+    model = GPT(tiny_config('relu', n_exp=8, aux_loss_weight=1.0, z_loss_weight=1.0, relu_l1_init=0.5))
+    x = torch.randint(0, 16, (2, 16), generator=torch.Generator().manual_seed(0))
+    _, _, aux = model(x)
+    expected = sum(0.5 * switch_balance(torch.relu(b.ffn.router.gate(h)), torch.relu(b.ffn.router.gate(h)) > 0, 2)
+                   for b, h in zip(model.transformer.h, layer_inputs(model, x)))
+    assert aux['aux_loss'].item() == pytest.approx(expected.item(), rel=1e-5)
+
+
+def layer_inputs(model, x):
+    """The normalised input of every block's FFN (what its router sees)."""
+    h = model.transformer.wte(x) + model.transformer.wpe(torch.arange(x.shape[1]))
+    inputs = []
+    for block in model.transformer.h:
+        h = h + block.attn(block.ln_1(h))
+        inputs.append(block.ln_2(h))
+        h = h + block.ffn(block.ln_2(h))[0]
+    return inputs
+
+
+@pytest.mark.parametrize("per_layer", [False, True])
+def test_relu_steps_lambda_once_per_step_from_the_layer_mean_or_each_layer(per_layer):
+    # per_layer=False is ReMoE's controller: one lambda for the model, from the mean over its layers
+    model = GPT(tiny_config('relu', n_exp=8, n_layer=3, relu_l1_per_layer=per_layer))  # target 2/8 active
+    routers = model.routers()
+    x = torch.randint(0, 16, (2, 16), generator=torch.Generator().manual_seed(0))
+    model.adapt_relu()
+    assert routers[0].l1_coef.item() == pytest.approx(1e-8)  # nothing measured yet: lambda_0 unchanged
+    for router in routers:  # every logit 0: layer 0 fully open (its ReLU opens at -1), layers 1-2 shut
+        torch.nn.init.zeros_(router.gate.weight)
+    routers[0].threshold.fill_(-1.0)
+    fractions = []  # per micro-step, per layer
+    for _ in range(2):  # two micro-steps of one step
+        _, _, aux = model(x)
+        fractions.append([mask.float().mean().item() for mask, _ in aux['routing']])
+    assert np.mean(fractions, axis=0).tolist() == [1.0, 0.0, 0.0]  # the mean over layers, 1/3, is too dense
+    model.adapt_relu()
+    expected = [1e-8 * 1.2, 1e-8 / 1.2, 1e-8 / 1.2] if per_layer else [1e-8 * 1.2] * 3
+    assert [r.l1_coef.item() for r in routers] == pytest.approx(expected)
+    # each layer's threshold moves by step x its own relative error (active - 1/4) / (1/4), never above 0
+    step = model.config.relu_threshold_step
+    assert [r.threshold.item() for r in routers] == pytest.approx([-1 + step * 3, -step, -step], abs=1e-6)
+    assert all(r.active_count.item() == 0 for r in routers)  # measurements cleared after the step
+    model.eval()
+    model(x)
+    model.adapt_relu()  # evaluation measures nothing: nothing changes
+    assert [r.l1_coef.item() for r in routers] == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("threshold_step", [0.1, 0.0])
+def test_a_relu_layer_with_every_gate_shut_reopens_through_its_threshold(threshold_step):
+    # ReMoE's lambda only pushes gates shut: with threshold_step=0 (ReMoE exactly) a shut layer stays shut
+    model = GPT(tiny_config('relu', relu_threshold_step=threshold_step))
+    x = torch.randint(0, 16, (2, 16), generator=torch.Generator().manual_seed(0))
+    for router in model.routers():
+        torch.nn.init.zeros_(router.gate.weight)  # every logit 0: every gate shut at threshold 0
+    for _ in range(2):
+        _, _, aux = model(x)
+        model.adapt_relu()
+    assert all((mask.sum() > 0) == (threshold_step > 0) for mask, _ in aux['routing'])
 
 
 def test_relu_with_every_gate_closed_gives_no_nan():
@@ -498,7 +604,7 @@ def trained_tiny(router, **kw):
 
 
 @pytest.mark.parametrize("router,kw", [("seqtopk", {}), ("seqtopk", {'seq_budget': 'strict'}), ("topk", {}),
-                                       ("batchtopk", {}), ("relu", {})])
+                                       ("mrltopk", {}), ("batchtopk", {}), ("relu", {})])
 def test_the_expert_cache_routes_decoding_exactly_like_the_causal_prefix_rule(router, kw):
     from model import Cache
     model = trained_tiny(router, **kw)
@@ -516,7 +622,7 @@ def test_the_expert_cache_routes_decoding_exactly_like_the_causal_prefix_rule(ro
         assert cache.layers[0]['ranked'].shape == (2, 24, 4)  # the Expert Cache holds every token's scores
 
 
-@pytest.mark.parametrize("router", ["topk", "seqtopk", "batchtopk", "relu"])
+@pytest.mark.parametrize("router", ROUTERS)
 def test_kv_cached_generation_equals_full_recompute(router):
     model = trained_tiny(router)
     prompt = torch.randint(0, 16, (2, 5), generator=torch.Generator().manual_seed(1))
@@ -559,25 +665,32 @@ def last_eval(out_dir):
     return evals[-1]
 
 
-def test_ddp_on_two_cpu_processes_matches_one_process_with_the_same_global_batch(workdir):
-    common = [os.path.join(REPO, 'config', 'tiny.py'), '--router=seqtopk', '--gradient_accumulation_steps=2',
-              '--max_iters=6', '--eval_interval=6']
-    single = run('train.py', *common, '--out_dir=single', cwd=workdir)
+@pytest.mark.parametrize("router", ["seqtopk", "relu"])
+def test_ddp_on_two_cpu_processes_matches_one_process_with_the_same_global_batch(workdir, router):
+    # relu: lambda and the thresholds step once per step, from the active fractions of every micro-batch
+    common = [os.path.join(REPO, 'config', 'tiny.py'), f'--router={router}', '--gradient_accumulation_steps=2',
+              '--max_iters=6', '--eval_interval=6', '--relu_l1_init=0.01']
+    single = run('train.py', *common, f'--out_dir=single-{router}', cwd=workdir)
     assert single.returncode == 0, single.stderr
     ddp = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
-                          os.path.join(REPO, 'train.py'), *common, '--out_dir=ddp'],
+                          os.path.join(REPO, 'train.py'), *common, f'--out_dir=ddp-{router}'],
                          cwd=workdir, env=OFFLINE_ENV, capture_output=True, text=True, timeout=300)
     assert ddp.returncode == 0, ddp.stderr
     assert '2 processes' in ddp.stdout
-    a, b = last_eval(workdir / 'single'), last_eval(workdir / 'ddp')
+    a, b = last_eval(workdir / f'single-{router}'), last_eval(workdir / f'ddp-{router}')
     assert a['iter'] == b['iter'] == 6
     assert abs(a['val_ce'] - b['val_ce']) < 1e-4 and abs(a['train_ce'] - b['train_ce']) < 1e-4
+    if router == 'relu':  # the same lambda and thresholds, and they moved
+        for key in ('l1_coef', 'relu_threshold'):
+            assert [l[key] for l in a['layers']] == pytest.approx([l[key] for l in b['layers']], rel=1e-5, abs=1e-7)
+        assert all(l['l1_coef'] != 0.01 for l in a['layers']) and any(l['relu_threshold'] < 0 for l in a['layers'])
 
 
-@pytest.mark.parametrize("router", ["seqtopk", "batchtopk"])
+@pytest.mark.parametrize("router", ["seqtopk", "batchtopk", "mrltopk", "relu"])
 def test_twenty_steps_straight_equal_ten_plus_resumed_ten(workdir, router):
+    # mrltopk at top_k=4 of 4 draws k from {2, 4} per layer and step; relu carries lambda in the checkpoint
     common = [os.path.join(REPO, 'config', 'tiny.py'), f'--router={router}', '--lr_decay_iters=20',
-              '--eval_interval=10']
+              '--eval_interval=10'] + (['--top_k=4'] if router == 'mrltopk' else [])
     straight = run('train.py', *common, '--max_iters=20', f'--out_dir=straight-{router}', cwd=workdir)
     first = run('train.py', *common, '--max_iters=10', f'--out_dir=split-{router}', cwd=workdir)
     resumed = run('train.py', *common, '--max_iters=20', '--init_from=resume', f'--out_dir=split-{router}',
@@ -622,7 +735,7 @@ def test_a_run_killed_while_saving_leaves_a_loadable_checkpoint(workdir):
         (out / 'ckpt.pt').unlink()
 
 
-@pytest.mark.parametrize("router", ["topk", "seqtopk", "batchtopk", "relu"])
+@pytest.mark.parametrize("router", ROUTERS)
 def test_torch_compile_trains_with_every_router_like_eager(router):
     torch.manual_seed(0)
     model = GPT(tiny_config(router))
@@ -666,18 +779,3 @@ def test_plots_are_written_from_logs_alone(tmp_path):
         assert png.exists() and png.read_bytes()[:8] == b'\x89PNG\r\n\x1a\n' and png.stat().st_size > 5000
     with pytest.raises(SystemExit, match='no log.jsonl'):
         plot.main([str(tmp_path / 'missing')])
-
-
-def test_finetune_sweep_pretrains_topk_then_finetunes_and_evaluates_training_free(workdir):
-    import json
-    result = run('sweep.py', '--out_root=sweep', '--finetune=True', '--top_ks=2', '--seeds=1', '--pretrain_k=2',
-                 '--pretrain_iters=10', '--max_iters=5',
-                 f"--train_args={os.path.join(REPO, 'config', 'tiny.py')} --eval_interval=5", cwd=workdir)
-    assert result.returncode == 0, result.stderr + result.stdout
-    table = [line for line in result.stdout.splitlines() if line.startswith('| ')]
-    assert len(table) == 2 + 4 and 'seqtopk (training-free)' in result.stdout
-    summary = json.load(open(workdir / 'sweep' / 'sweep.json'))
-    free = next(r for r in summary['runs'] if r['kind'] == 'training-free' and r['router'] == 'seqtopk')
-    assert free['eval_only'] and free['iter'] == 0 and free['router'] == 'seqtopk'
-    tuned = next(r for r in summary['runs'] if r['kind'] == 'train' and r['router'] == 'seqtopk')
-    assert tuned['iter'] == 5 and tuned['init_from'].endswith('ckpt.pt') and tuned['val_ce_causal'] is not None

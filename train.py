@@ -27,7 +27,7 @@ import checkpoint as ckpt_io
 from configurator import (Rule, above, apply_overrides, device_name, fraction, keep_freed_cpu_memory, non_empty,
                           non_negative, non_negative_int, one_of, positive, positive_int, validate)
 from model import GPT, GPTConfig
-from router import ROUTERS, routing_stats
+from router import ROUTERS, mrltopk_draw, routing_stats
 
 # -----------------------------------------------------------------------------
 # I/O
@@ -55,15 +55,17 @@ top_k = 2
 exp_dim = 128
 moe_every = 1                   # every moe_every-th block is MoE (1 = all, 0 = none: a dense GPT)
 mlp_dim = 0                     # width of the dense FFN blocks (0 = 4 * n_embd)
-router = 'topk'                 # topk | seqtopk | batchtopk | relu
+router = 'topk'                 # topk | mrltopk | seqtopk | batchtopk | relu (router.ROUTERS)
 seq_min_k = 1
 seq_max_k = 0                   # 0 = top_k + 2 (the paper's default); n_exp = no upper bound
 norm_topk_prob = False
 aux_loss_weight = 0.01
 z_loss_weight = 0.001
 threshold_decay = 0.99          # batchtopk: EMA decay of the threshold used at evaluation
-relu_l1_init = 1e-8             # relu: initial L1 coefficient (ReMoE's lambda_0)
+relu_l1_init = 1e-8             # relu: initial regulariser coefficient (ReMoE's lambda_0)
 relu_l1_step = 1.2              # relu: lambda's adaptation factor (ReMoE's alpha)
+relu_l1_per_layer = True        # relu: each MoE layer its own lambda (False: one for the model, as ReMoE)
+relu_threshold_step = 0.1       # relu: step with which a too-sparse layer's ReLU threshold falls below 0 (0: ReMoE)
 moe_impl = 'grouped'            # 'grouped' (torch._grouped_mm) or 'loop' (one matmul per expert)
 seq_causal = False              # seqtopk: train with the online (causal) rule instead of the offline one
 seq_budget = 'plain'            # online seqtopk: 'plain' (the paper) or 'strict' (no prefix overspends)
@@ -114,7 +116,8 @@ validate(config, RULES, RELATIONS + (MODEL_RELATIONS if init_from == 'scratch' e
 t_begin = time.time()
 MODEL_KEYS = [f.name for f in fields(GPTConfig)]
 ROUTING_KEYS = {'router', 'top_k', 'seq_min_k', 'seq_max_k', 'norm_topk_prob', 'aux_loss_weight', 'z_loss_weight',
-                'threshold_decay', 'relu_l1_init', 'relu_l1_step', 'moe_impl', 'dropout', 'seq_causal',
+                'threshold_decay', 'relu_l1_init', 'relu_l1_step', 'relu_l1_per_layer', 'relu_threshold_step',
+                'moe_impl', 'dropout', 'seq_causal',
                 'seq_budget'}  # may change on resume; the rest is architecture
 
 
@@ -242,7 +245,7 @@ if compile:
 if ddp:  # buffers (batchtopk threshold, relu lambda) are averaged by sync_router_state instead
     model = DDP(model, device_ids=[device] if device_type == 'cuda' else None, broadcast_buffers=False)
 cfg = raw_model.config
-routers = [block.ffn.router for block in raw_model.transformer.h if hasattr(block.ffn, 'router')]
+routers = raw_model.routers()  # none in a dense GPT (--moe_every=0)
 
 
 def sync_router_state():
@@ -254,7 +257,8 @@ def sync_router_state():
 
 
 if master_process:
-    print(f"{cfg.router} routing, {cfg.top_k} of {cfg.n_exp} experts per token: "
+    print((f"{cfg.router} routing, {cfg.top_k} of {cfg.n_exp} experts per token: " if routers else
+           f"dense GPT (no MoE layers), FFN width {cfg.mlp_dim or 4 * cfg.n_embd}: ") +
           f"{raw_model.num_params() / 1e6:.2f}M parameters, {raw_model.num_params(active=True) / 1e6:.2f}M active; "
           f"device {device}, {dtype}; global batch {batch_size * gradient_accumulation_steps * world_size} "
           f"sequences = {batch_size} x {gradient_accumulation_steps} micro-steps" +
@@ -294,11 +298,11 @@ def evaluate(split, causal=None, entropy_bins=10):
         bins = (entropy * entropy_bins).long().clamp(0, entropy_bins - 1).flatten()
         bin_count = bin_count + torch.bincount(bins, minlength=entropy_bins)
         bin_experts = bin_experts + torch.bincount(bins, weights=experts.flatten(), minlength=entropy_bins)
-    result = dict(ce=float(np.mean(ce)), aux=float(np.mean(aux)), prefix_overspend=overspend)
+    result = dict(ce=float(np.mean(ce)), aux=float(np.mean(aux)))
     if routers:
         result.update(experts_by_position=(by_position / eval_iters).tolist(),
                       experts_by_entropy=(bin_experts / bin_count.clamp_min(1)).tolist(),
-                      tokens_by_entropy=bin_count.tolist())
+                      tokens_by_entropy=bin_count.tolist(), prefix_overspend=overspend)
     return result, hist, load
 
 
@@ -318,7 +322,7 @@ def estimate_loss():
     for layer, router in enumerate(routers):
         stats = routing_stats(hist[layer], load[layer])
         if cfg.router == 'relu':
-            stats.update(l1_coef=router.l1_coef.item(), active_frac=router.active_frac.item())
+            stats.update(l1_coef=router.l1_coef.item(), relu_threshold=router.threshold.item())
         if cfg.router == 'batchtopk':
             stats.update(threshold=router.threshold.item())
         layers.append(stats)
@@ -393,6 +397,13 @@ saved_iter = checkpoint['iter_num'] if init_from == 'resume' else None  # this r
 stop_signal = None  # set by request_stop
 signal.signal(signal.SIGTERM, request_stop)
 signal.signal(signal.SIGINT, request_stop)
+if eval_only and cfg.router == 'batchtopk' and any(r.threshold.item() <= 0 for r in routers):
+    # a checkpoint never trained with batchtopk has no threshold (<= 0 passes every expert): set it as
+    # training does, from eval_iters training batches in training mode, without a gradient step
+    calibration = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _ in range(eval_iters):
+            model(*get_batch('train', calibration))
 batch_state = batch_gen.get_state()  # the state that draws X, Y: a resumed run redraws the same batch
 X, Y = get_batch('train')
 t_start = t_last = time.time()
@@ -425,11 +436,15 @@ while True:
         break
 
     step_loss = 0.0
+    # mrltopk: every MoE layer's k for this step, a function of (seed, step) alone: the same on every
+    # rank and micro-step, and a resumed run redraws exactly what the straight run drew
+    moe_ks = (mrltopk_draw(cfg.top_k, len(routers), torch.Generator().manual_seed(seed * 1_000_003 + iter_num))
+              if cfg.router == 'mrltopk' else None)
     for micro_step in range(gradient_accumulation_steps):
         if ddp:  # gradients are all-reduced on the last micro-step only
             model.require_backward_grad_sync = micro_step == gradient_accumulation_steps - 1
         with ctx:
-            _, ce, extra = model(X, Y)
+            _, ce, extra = model(X, Y, moe_ks=moe_ks)
             loss = (ce + extra['aux_loss']) / gradient_accumulation_steps
         step_loss = step_loss + loss.detach()
         batch_state = batch_gen.get_state()
@@ -450,6 +465,7 @@ while True:
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
     sync_router_state()
+    raw_model.adapt_relu()  # relu: ReMoE's lambda and the layers' thresholds, once per step
     iter_num += 1
 
     if iter_num % log_interval == 0 and master_process:
@@ -473,8 +489,10 @@ while True:
 if ddp:
     dist.destroy_process_group()
 if master_process:  # the run's summary, also the last line of log.jsonl (sweep.py reads it)
-    summary = dict(event='done', iter=iter_num, time=time.time() - t_begin, router=cfg.router, top_k=cfg.top_k,
-                   n_exp=cfg.n_exp, init_from=init_from, eval_only=eval_only, val_ce=losses['val']['ce'],
+    summary = dict(event='done', iter=iter_num, time=time.time() - t_begin, router=cfg.router if routers else 'dense',
+                   top_k=cfg.top_k, n_exp=cfg.n_exp, mlp_dim=cfg.mlp_dim or 4 * cfg.n_embd, moe_layers=len(routers),
+                   params=raw_model.num_params(), active_params=raw_model.num_params(active=True),
+                   init_from=init_from, eval_only=eval_only, val_ce=losses['val']['ce'],
                    val_ce_offline=losses.get('val_offline', losses['val'])['ce'],
                    val_ce_causal=losses['val_causal']['ce'] if 'val_causal' in losses else None,
                    **{k: float(np.mean([l[k] for l in layers])) if layers else None

@@ -1,8 +1,13 @@
-# Pretraining sparsity sweep on 2 CPU cores (about an hour): python sweep.py config/sweep_cpu.py
-# 32 experts of width 32 on the default 4-layer, 128-wide model; K = 8, 4, 2 (sparsity 1/4 .. 1/16).
+# Pretraining at higher sparsity, with dense baselines: the paper's Table 3 routers (topk, relu as
+# ReMoE, seqtopk) on 2 CPU cores, 3 seeds; about 50 minutes (estimate from 40-step timings, see README).
+# python sweep.py config/sweep_cpu.py
+# 64 experts of width 16 on the default 4-layer, 128-wide model: K = 8, 4, 2 is sparsity 1/8 .. 1/32.
+# Dense rows: FFN width K*16 (the MoE's active parameters at each K) and 64*16 = 1024 (its total).
 out_root = 'sweeps/cpu'
-routers = 'topk,seqtopk'
+routers = 'topk,relu,seqtopk'
 top_ks = '8,4,2'
-seeds = '1,2'
-max_iters = 1500
-train_args = '--n_exp=32 --exp_dim=32 --eval_interval=500'
+seeds = '1,2,3'
+max_iters = 800
+dense = 'active,total'
+jobs = 2  # two runs at once, one thread each: 1.4x the throughput of one two-thread run here
+train_args = '--n_exp=64 --exp_dim=16 --eval_interval=400'

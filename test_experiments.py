@@ -1,0 +1,153 @@
+"""
+The experiment tools as tests: paired statistics, sweeps with dense rows, the sweep figures.
+Run: python -m pytest -q
+"""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.abspath(__file__))
+OFFLINE_ENV = dict(os.environ, HF_DATASETS_OFFLINE='1', HF_HUB_OFFLINE='1', OMP_NUM_THREADS='1')
+TINY = os.path.join(REPO, 'config', 'tiny.py')
+
+
+def run(script, *args, cwd):
+    return subprocess.run([sys.executable, os.path.join(REPO, script), *args], cwd=cwd, env=OFFLINE_ENV,
+                          capture_output=True, text=True, timeout=300)
+
+
+# -----------------------------------------------------------------------------
+# statistics
+
+@pytest.mark.parametrize("df,expected", [(1, 12.706), (2, 4.303), (4, 2.776), (9, 2.262), (30, 2.042)])
+def test_t_quantiles_match_the_printed_tables(df, expected):
+    from sweep import t_quantile
+    assert t_quantile(0.975, df) == pytest.approx(expected, abs=1e-3)
+
+
+def test_paired_difference_matches_a_hand_computation():
+    from sweep import paired_difference
+    router = {1: 1.00, 2: 1.10, 3: 0.95, 4: 2.0}  # seed 4 has no topk partner: left out
+    topk = {1: 0.90, 2: 1.05, 3: 0.95}
+    # differences 0.10, 0.05, 0.00: mean 0.05, sample sd 0.05, se 0.05 / sqrt(3); t(0.975, 2) = 4.3027
+    half = 4.302653 * 0.05 / math.sqrt(3)
+    d = paired_difference(router, topk)
+    assert d['n'] == 3 and d['mean'] == pytest.approx(0.05)
+    assert d['low'] == pytest.approx(0.05 - half, abs=1e-5) and d['high'] == pytest.approx(0.05 + half, abs=1e-5)
+    # the pairing matters: unpaired, the same numbers' spread (sd ~0.08 per router) would swamp 0.05
+    assert d['high'] - d['low'] == pytest.approx(0.2484, abs=1e-3)
+
+
+def test_one_seed_gives_a_difference_and_no_interval():
+    from sweep import format_difference, paired_difference
+    d = paired_difference({1: 1.2}, {1: 1.0})
+    assert d == dict(mean=pytest.approx(0.2), low=None, high=None, n=1)
+    assert format_difference(d) == '+0.2000 (1 seed: no interval)'
+
+
+# -----------------------------------------------------------------------------
+# sweeps, end to end on the tiny preset (seconds)
+
+@pytest.fixture(scope='module')
+def workdir(tmp_path_factory):
+    path = tmp_path_factory.mktemp('experiments')
+    result = run('prepare.py', cwd=path)
+    assert result.returncode == 0, result.stderr
+    return path
+
+
+def table(stdout):
+    return [line for line in stdout.splitlines() if line.startswith('| ') and not line.startswith('| ---')]
+
+
+def test_a_pretraining_sweep_adds_dense_rows_and_paired_differences(workdir):
+    args = ['--out_root=pre', '--routers=topk,mrltopk', '--top_ks=4,2', '--seeds=1,2', '--max_iters=4',
+            '--dense=active,total', '--jobs=2', f'--train_args={TINY} --n_exp=4 --exp_dim=16 --eval_interval=4']
+    result = run('sweep.py', *args, cwd=workdir)
+    assert result.returncode == 0, result.stderr + result.stdout
+    rows = table(result.stdout)[1:]
+    # per K: topk, mrltopk, dense at K's active width, dense at the total width
+    assert len(rows) == 2 * 4
+    assert sum('dense, = active params (FFN 64)' in r for r in rows) == 1  # K=4: 4 * exp_dim
+    assert sum('dense, = active params (FFN 32)' in r for r in rows) == 1  # K=2
+    assert sum('dense, = total params (FFN 64)' in r for r in rows) == 2   # n_exp * exp_dim, shown at each K
+    summary = json.load(open(workdir / 'pre' / 'sweep.json'))
+    dense = [r for r in summary['runs'] if r['router'] == 'dense']
+    assert len(dense) == 3 * 2 and all(r['moe_layers'] == 0 and r['experts_mean'] is None for r in dense)
+    active = next(r for r in summary['runs'] if r['name'] == 'dense-active-k2-s1')
+    moe = next(r for r in summary['runs'] if r['name'] == 'topk-k2-s1')
+    router_params = 2 * 32 * 4  # the MoE's gates, 2 layers of n_embd x n_exp
+    assert active['params'] == moe['active_params'] - router_params  # same active parameters
+    # the statistic in the table is the paired one, recomputed here from the runs themselves
+    from sweep import paired_difference
+    ce = {r['name']: r['val_ce_offline'] for r in summary['runs']}
+    row = next(r for r in summary['rows'] if r['router'] == 'mrltopk' and r['K'] == 4)
+    d = paired_difference({s: ce[f'mrltopk-k4-s{s}'] for s in (1, 2)}, {s: ce[f'topk-k4-s{s}'] for s in (1, 2)})
+    assert (row['diff_vs_topk'], row['diff_low'], row['diff_high'], row['diff_n']) == \
+        (pytest.approx(d['mean']), pytest.approx(d['low']), pytest.approx(d['high']), 2)
+    assert f"{d['mean']:+.4f} [{d['low']:+.4f}, {d['high']:+.4f}]" in result.stdout
+    assert 'diff_causal_low' in (workdir / 'pre' / 'sweep.csv').read_text().splitlines()[0]
+    # a re-run reuses every finished run
+    again = run('sweep.py', *args, cwd=workdir)
+    assert again.returncode == 0 and '$ ' not in again.stdout and table(again.stdout) == table(result.stdout)
+
+
+def test_a_finetune_sweep_pretrains_per_seed_and_tabulates_training_free_rows(workdir):
+    args = ['--out_root=ft', '--finetune=True', '--routers=topk,mrltopk,batchtopk,seqtopk', '--top_ks=2',
+            '--seeds=1', '--pretrain_k=4', '--pretrain_iters=6', '--max_iters=3', '--jobs=2',
+            f'--train_args={TINY} --n_exp=4 --eval_interval=3']
+    result = run('sweep.py', *args, cwd=workdir)
+    assert result.returncode == 0, result.stderr + result.stdout
+    rows = table(result.stdout)[1:]
+    assert len(rows) == 4 + 3  # fine-tuned: every router; training-free: all but mrltopk (= topk at evaluation)
+    assert '1 seed: no interval' in result.stdout
+    summary = json.load(open(workdir / 'ft' / 'sweep.json'))
+    free = {r['router']: r for r in summary['runs'] if r['kind'] == 'training-free'}
+    assert set(free) == {'topk', 'batchtopk', 'seqtopk'}
+    assert free['batchtopk']['experts_mean'] < 3  # a threshold set from training batches, not 0 (all 4)
+    assert all(r['init_from'].endswith(os.path.join('pretrain-topk-k4-s1', 'ckpt.pt'))
+               for r in summary['runs'] if r['kind'] != 'pretrain')
+    assert all(r['eval_only'] and r['iter'] == 0 for r in free.values())  # evaluated, not trained
+    tuned = next(r for r in summary['runs'] if r['kind'] == 'train' and r['router'] == 'seqtopk')
+    assert tuned['iter'] == 3 and tuned['val_ce_causal'] is not None and free['seqtopk']['val_ce_causal'] is not None
+
+
+def test_bad_sweep_settings_fail_with_one_line(workdir):
+    for args, message in [(['--routers=seqtopk,topk'], 'must start with topk'),
+                          (['--finetune=True', '--dense=active'], 'dense rows compare pretraining'),
+                          (['--dense=wide'], "--dense takes")]:
+        result = run('sweep.py', '--out_root=bad', *args, cwd=workdir)
+        assert result.returncode != 0 and message in result.stderr and 'Traceback' not in result.stderr
+
+
+# -----------------------------------------------------------------------------
+# figures
+
+def synthetic_sweep(folder, finetune=True):
+    """A sweep.json shaped like sweep.py's, with made-up numbers (no training)."""
+    rows = []
+    for k in (8, 4, 2):
+        for router in ('topk', 'mrltopk', 'seqtopk'):
+            for kind in ('train', 'training-free'):
+                diff = None if router == 'topk' else -0.01 * 8 / k
+                rows.append(dict(router=router, kind=kind, K=k, diff_vs_topk=diff, diff_n=3,
+                                 diff_low=None if diff is None else diff - 0.01,
+                                 diff_high=None if diff is None else diff + 0.01,
+                                 diff_causal_vs_topk=diff, diff_causal_low=None if diff is None else diff - 0.02,
+                                 diff_causal_high=None if diff is None else diff + 0.02))
+    rows.append(dict(router='dense', kind='active', K=2, diff_vs_topk=0.3, diff_n=3, diff_low=0.2, diff_high=0.4))
+    (folder / 'sweep.json').write_text(json.dumps(dict(rows=rows, runs=[], finetune=finetune)))
+
+
+def test_the_paired_difference_figure_is_drawn_from_a_sweep_json(tmp_path):
+    import plot
+    synthetic_sweep(tmp_path)
+    plot.main([f"--sweep={tmp_path / 'sweep.json'}"])
+    png = tmp_path / 'paired_difference.png'
+    assert png.exists() and png.read_bytes()[:8] == b'\x89PNG\r\n\x1a\n' and png.stat().st_size > 20000
+    with pytest.raises(SystemExit, match='run sweep.py first'):
+        plot.main([f"--sweep={tmp_path / 'missing.json'}"])
