@@ -119,7 +119,7 @@ def test_a_finetune_sweep_pretrains_per_seed_and_tabulates_training_free_rows(wo
 def test_bad_sweep_settings_fail_with_one_line(workdir):
     for args, message in [(['--routers=seqtopk,topk'], 'must start with topk'),
                           (['--finetune=True', '--dense=active'], 'dense rows compare pretraining'),
-                          (['--dense=wide'], "--dense takes")]:
+                          (['--dense=wide'], "--dense=wide must be")]:
         result = run('sweep.py', '--out_root=bad', *args, cwd=workdir)
         assert result.returncode != 0 and message in result.stderr and 'Traceback' not in result.stderr
 

@@ -73,7 +73,7 @@ def numeric_settings(script):
 # settings for which 0 means something (off, default, none, greedy); every other number must be > 0
 ZERO_OK = {
     'train.py': {'dropout', 'moe_every', 'mlp_dim', 'seq_min_k', 'seq_max_k', 'aux_loss_weight', 'z_loss_weight',
-                 'threshold_decay', 'max_iters', 'weight_decay', 'beta1', 'beta2', 'grad_clip', 'warmup_iters',
+                 'threshold_decay', 'relu_threshold_step', 'max_iters', 'weight_decay', 'beta1', 'beta2', 'grad_clip', 'warmup_iters',
                  'lr_decay_iters', 'min_lr', 'seed'},
     'sample.py': {'temperature', 'sample_top_k', 'seed'},
 }
@@ -104,7 +104,7 @@ def test_every_numeric_setting_rejects_zero_negative_nan_and_a_wrong_type(script
     (['--exp_dim=0'], "--exp_dim=0 must be a positive integer"),
     (['--gradient_accumulation_steps=0'], "--gradient_accumulation_steps=0 must be a positive integer"),
     (['--router=relu', '--relu_l1_step=0.5'], "--relu_l1_step=0.5 must be greater than 1"),
-    (['--router=seqtop'], "--router=seqtop must be one of topk, seqtopk, batchtopk, relu"),
+    (['--router=seqtop'], "--router=seqtop must be one of topk, mrltopk, seqtopk, batchtopk, relu"),
     (['--learning_rate=nan'], "--learning_rate=nan must be a finite number"),
     (['--min_lr=0.1'], "--min_lr=0.1 must be at most --learning_rate=0.002"),
     (['--top_k=9'], "--top_k=9 must be at most --n_exp=8"),
@@ -123,7 +123,7 @@ def test_bad_settings_fail_with_one_line_before_out_dir_is_looked_at(workdir, ar
 
 def test_a_bad_setting_is_one_line_on_stderr_and_no_traceback(workdir):
     line = one_error_line(run('train.py', '--out_dir=run', '--router=seqtop', cwd=workdir))
-    assert line == "error: --router=seqtop must be one of topk, seqtopk, batchtopk, relu"
+    assert line == "error: --router=seqtop must be one of topk, mrltopk, seqtopk, batchtopk, relu"
     assert not (workdir / 'nothing').exists()
     assert one_error_line(run('train.py', '--out_dir=nothing', '--n_exp=many', cwd=workdir)) == \
         "error: --n_exp=many must be an integer"
@@ -135,7 +135,7 @@ def test_a_bad_setting_is_one_line_on_stderr_and_no_traceback(workdir):
     ('bench.py', '--repeats=0', 'a positive integer'),
     ('bench.py', '--contexts=64,x', 'a comma-separated list, each item a positive integer'),
     ('bench.py', '--moe_top_k=65', 'at most --moe_n_exp=64'),
-    ('sweep.py', '--routers=topk,seqtop', 'a comma-separated list, each item one of topk, seqtopk'),
+    ('sweep.py', '--routers=topk,seqtop', 'a comma-separated list, each item one of topk, mrltopk, seqtopk'),
     ('sweep.py', '--top_ks=8,0', 'a comma-separated list, each item a positive integer'),
     ('sweep.py', '--seeds=1,a', 'a comma-separated list, each item an integer >= 0'),
 ])

@@ -95,7 +95,7 @@ RULES = dict(
     top_k=positive_int, exp_dim=positive_int, moe_every=non_negative_int, mlp_dim=non_negative_int,
     router=one_of(*ROUTERS), seq_min_k=non_negative_int, seq_max_k=non_negative_int,
     aux_loss_weight=non_negative, z_loss_weight=non_negative, threshold_decay=fraction,
-    relu_l1_init=positive, relu_l1_step=above(1), moe_impl=one_of('grouped', 'loop'),
+    relu_l1_init=positive, relu_l1_step=above(1), relu_threshold_step=non_negative, moe_impl=one_of('grouped', 'loop'),
     seq_budget=one_of('plain', 'strict'), learning_rate=positive, max_iters=non_negative_int,
     weight_decay=non_negative, beta1=fraction, beta2=fraction, grad_clip=non_negative,
     warmup_iters=non_negative_int, lr_decay_iters=non_negative_int, min_lr=non_negative,
