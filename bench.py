@@ -195,21 +195,38 @@ def bench_moe(results):
 
 
 # -----------------------------------------------------------------------------
-@torch.no_grad()
-def decode_step_seconds(model, context, steps):
-    """Seconds per cached decode step after a prompt of `context` tokens (median over runs)."""
-    prompt = torch.randint(0, model.config.vocab_size, (1, context), device=device)
-    seconds = []
-    for _ in range(repeats + 1):
-        cache = Cache(model.config.n_layer)
-        logits, _, _ = model(prompt, cache=cache)
-        sync()
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            logits, _, _ = model(logits[:, -1:].argmax(-1), cache=cache)
-        sync()
-        seconds.append((time.perf_counter() - t0) / steps)
-    return statistics.median(seconds[1:]), cache
+@torch.inference_mode()
+def decode_step_seconds(models, context, steps):
+    """Per model, seconds per cached decode step after a prompt of `context` tokens (not timed), the
+    models taking turns step by step so that a drift in the machine's speed affects them alike; and
+    the last model's cache."""
+    prompt = torch.randint(0, LARGER['vocab_size'], (1, context), generator=torch.Generator().manual_seed(seed))
+    caches = {name: Cache(model.config.n_layer) for name, model in models.items()}
+    tokens = {name: model(prompt.to(device), cache=caches[name])[0][:, -1:].argmax(-1) for name, model in models.items()}
+    seconds = dict.fromkeys(models, 0.0)
+    for _ in range(steps):
+        for name, model in models.items():
+            sync()
+            t0 = time.perf_counter()
+            tokens[name] = model(tokens[name], cache=caches[name])[0][:, -1:].argmax(-1)
+            sync()
+            seconds[name] += time.perf_counter() - t0
+    return {name: s / steps for name, s in seconds.items()}, caches[name]
+
+
+def interleaved(fns):
+    """Median seconds of each fn over `repeats` rounds after a warm-up round, the fns taking turns in
+    every round, so that a drift in the machine's speed affects them alike."""
+    times = {name: [] for name in fns}
+    for round in range(repeats + 1):
+        for name, fn in fns.items():
+            sync()
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            if round:  # round 0 warms up
+                times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def bench_decode(results):
@@ -218,31 +235,33 @@ def bench_decode(results):
     shape = dict(LARGER, block_size=decode_block_size)
     prompt = torch.randint(0, shape['vocab_size'], (1, prompt_tokens), generator=torch.Generator().manual_seed(seed))
     prompt = prompt.to(device)
-    models = {router: build(router, shape).eval() for router in ('topk', 'seqtopk')}
+    models = {router: build(router, shape).eval() for router in ('topk', 'seqtopk')}  # seqtopk last
     print(f"\n### Decoding: {new_tokens} new tokens after a {prompt_tokens}-token prompt, larger model with a "
           f"{decode_block_size}-token context (greedy, batch 1)\n")
     print("| router | KV + Expert Cache tok/s | full recompute tok/s | speed-up |")
     print("| --- | --- | --- | --- |")
+    generate = {router: (lambda m: lambda cache: m.generate(prompt, new_tokens, temperature=0, use_cache=cache))(model)
+                for router, model in models.items()}
+    cached = interleaved({router: (lambda g: lambda: g(True))(g) for router, g in generate.items()})
     speed = {}
-    for router, model in models.items():
-        cached = timed(lambda: model.generate(prompt, new_tokens, temperature=0, use_cache=True), warmup=1)
+    for router in models:
         # recomputing is slow and steady: one timed run
-        recomputed = timed(lambda: model.generate(prompt, new_tokens, temperature=0, use_cache=False), warmup=0, runs=1)
-        speed[router] = new_tokens / cached
+        recomputed = timed(lambda: generate[router](False), warmup=0, runs=1)
+        speed[router] = new_tokens / cached[router]
         results['decode'].append(dict(router=router, new_tokens=new_tokens, block_size=decode_block_size,
-                                      cached_tok_s=new_tokens / cached, recompute_tok_s=new_tokens / recomputed))
-        print(f"| {router} | {new_tokens / cached:.1f} | {new_tokens / recomputed:.1f} | {recomputed / cached:.1f}x |")
+                                      cached_tok_s=speed[router], recompute_tok_s=new_tokens / recomputed))
+        print(f"| {router} | {speed[router]:.1f} | {new_tokens / recomputed:.1f} | {recomputed / cached[router]:.1f}x |")
     print(f"\nseqtopk / topk cached decode speed: {speed['seqtopk'] / speed['topk']:.3f}")
-    print(f"\n### One cached decode step at a given context ({steps_at_context} steps timed; caches measured after them)\n")
+    print(f"\n### One cached decode step at a given context ({steps_at_context} steps timed; cache sizes at that context)\n")
     print("| context | topk ms/step | seqtopk ms/step | seqtopk / topk speed | KV cache | Expert Cache | Expert / KV |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for context in (int(c) for c in contexts.split(',')):
         if context + steps_at_context > decode_block_size:
             raise SystemExit(f"error: --contexts={contexts}: {context} + {steps_at_context} steps exceed "
                              f"decode_block_size={decode_block_size}")
-        step = {}
-        for router, model in models.items():
-            step[router], cache = decode_step_seconds(model, context, steps_at_context)
+        runs = [decode_step_seconds(models, context, steps_at_context) for _ in range(repeats + 1)][1:]
+        step = {router: statistics.median(seconds[router] for seconds, _ in runs) for router in models}
+        cache = runs[-1][1]
         kv, expert = cache.nbytes('kv'), cache.nbytes('expert')  # from the seqtopk run
         results['decode_context'].append(dict(context=context, topk_ms=step['topk'] * 1e3, seqtopk_ms=step['seqtopk'] * 1e3,
                                               kv_cache_bytes=kv, expert_cache_bytes=expert))

@@ -57,8 +57,8 @@ class GPTConfig:
 
 class Cache:
     """What one generation carries from step to step, per layer: the attention keys and values
-    (KV cache) and, for the MoE layers, every token's router scores ranked (the Expert Cache) and
-    the experts spent so far. Passed through forward(); the model itself holds no decoding state."""
+    (KV cache) and, for the MoE layers, every token's router scores that online SeqTopK can still
+    weigh, of rank seq_min_k..seq_max_k-1 (the Expert Cache), and the experts spent so far. Passed through forward(); the model itself holds no decoding state."""
 
     def __init__(self, n_layer):
         self.pos = 0  # tokens seen so far
@@ -66,7 +66,7 @@ class Cache:
 
     def nbytes(self, kind):
         """Bytes held by the KV cache ('kv') or by the Expert Cache ('expert')."""
-        keys = ('k', 'v') if kind == 'kv' else ('ranked', 'spent')
+        keys = ('k', 'v') if kind == 'kv' else ('candidates', 'spent')
         return sum(layer[k].numel() * layer[k].element_size() for layer in self.layers for k in keys if k in layer)
 
 
@@ -378,7 +378,7 @@ class GPT(nn.Module):
         fused = device_type == 'cuda'
         return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=fused)
 
-    @torch.no_grad()
+    @torch.inference_mode()  # no autograd bookkeeping at all: each small decoding op costs less
     def generate(self, idx, max_new_tokens, temperature=1.0, sample_top_k=None, use_cache=True,
                  prompt_routing='online', on_step=None):
         """Sample max_new_tokens after idx (B, T).

@@ -72,12 +72,14 @@ def seqtopk_mask(scores, k, min_k=1, max_k=None):
 def online_seqtopk_mask(scores, k, min_k=1, max_k=None, past=None, spent=None, strict=False):
     # Eq. (7), online SeqTopK: token m takes expert i when (m, i) is among the top m*k entries of the
     # m x N score matrix of tokens 1..m (the Expert Cache, Eq. 6), within the per-token bounds.
-    """scores: (B, T, N), the newest T tokens; past: (B, P, N) earlier tokens' scores, each row sorted
-    descending (the Expert Cache; None = no earlier tokens); spent: (B,) experts those P tokens took.
-    Every new token is routed by the rule above over itself and all tokens before it, so one call
-    on a whole sequence (teacher forcing) routes each position exactly as decoding step by step.
-    strict=True caps each token at m*k minus what tokens 1..m-1 spent, so no prefix overspends.
-    Returns the mask (B, T, N), the new rows sorted (to append to the cache) and the new spent."""
+    """scores: (B, T, N), the newest T tokens. past: (B, P, max_k - min_k), the Expert Cache: each
+    earlier token's scores of rank min_k..max_k-1, descending (the only ones the rule can still
+    weigh: a token always takes its first min_k and never more than max_k); None = no earlier tokens.
+    spent: (B,) experts those P tokens took. Every new token is routed by the rule above over itself
+    and all tokens before it, so one call on a whole sequence (teacher forcing) routes each position
+    exactly as decoding step by step. strict=True caps each token at m*k minus what tokens 1..m-1
+    spent, so no prefix overspends. Returns the mask (B, T, N), the new tokens' cache rows and the
+    new spent."""
     B, T, N = scores.shape
     min_k, max_k = seqtopk_bounds(k, N, min_k, max_k)
     R = max_k - min_k  # the candidates of a token: its entries of rank [min_k, max_k)
@@ -85,7 +87,6 @@ def online_seqtopk_mask(scores, k, min_k=1, max_k=None, past=None, spent=None, s
     spent = torch.zeros(B, dtype=torch.long, device=scores.device) if spent is None else spent
     ranked, order = scores.sort(dim=-1, descending=True, stable=True)
     candidates = ranked[..., min_k:max_k]                                   # (B, T, R)
-    position = torch.arange(P + 1, P + T + 1, device=scores.device)         # m, 1-based
     # A candidate of token m is taken iff fewer than m*(k - min_k) candidates of tokens 1..m come
     # before it: earlier tokens' scoring >= it (earlier tokens win ties, as in seqtopk_mask) and the
     # token's own better-ranked ones. `before` counts them, plus the candidate itself.
@@ -105,21 +106,25 @@ def online_seqtopk_mask(scores, k, min_k=1, max_k=None, past=None, spent=None, s
             running = (token_of[:, None, :] <= t[None, :, None]).cumsum(dim=-1)
             before[:, t0:t0 + chunk] = running.gather(-1, place[:, t0:t0 + chunk])
     if P:  # the Expert Cache's tokens are all earlier: count their candidates scoring >= each one
-        cached = past[..., min_k:max_k].reshape(B, 1, 1, P * R)
+        cached = past.reshape(B, 1, 1, P * R)
         chunk = max(1, 2 ** 24 // max(1, B * P * R * R))  # bounds the (B, chunk, R, P*R) comparison
         cached_ge = [torch.count_nonzero(cached >= candidates[:, t0:t0 + chunk, :, None], dim=-1)
                      for t0 in range(0, T, chunk)]
         before = before + (cached_ge[0] if len(cached_ge) == 1 else torch.cat(cached_ge, dim=1))
-    budget = (P + 1) * (k - min_k) if T == 1 else (position * (k - min_k))[:, None]
-    counts = (before <= budget).sum(dim=-1) + min_k
+    # taken: candidates with fewer than m*(k - min_k) before them (`before` counts the candidate too)
+    if T == 1 and not strict:  # a decoding step: m = P + 1, a plain number
+        position, allowed = P + 1, (P + 1) * (k - min_k)
+    else:
+        position = torch.arange(P + 1, P + T + 1, device=scores.device)  # m, 1-based
+        allowed = (position * (k - min_k))[:, None]
+    counts = (before <= allowed).sum(dim=-1) + min_k
     if strict:  # spent_m = min(spent_{m-1} + count_m, m*k), in closed form: a cumulative min
         total = counts.cumsum(dim=1)
         slack = torch.cat([spent[:, None], position * k - total], dim=1).cummin(dim=1).values
         capped = total + slack[:, 1:]
         counts = capped - torch.cat([spent[:, None], capped[:, :-1]], dim=1)
-    chosen = torch.arange(N, device=scores.device) < counts[..., None]    # (token, rank)
-    mask = torch.zeros_like(chosen).scatter_(-1, order, chosen)
-    return mask, ranked, spent + counts.sum(dim=1)
+    mask = order.argsort(dim=-1) < counts[..., None]  # each expert's rank within its token < count
+    return mask, candidates, spent + counts.sum(dim=1)
 
 
 def batchtopk_mask(scores, k):
@@ -232,16 +237,17 @@ class Router(nn.Module):
             bounds = (cfg.top_k, cfg.seq_min_k, cfg.seq_max_k or None)
             if cache is None and not causal:
                 return seqtopk_mask(scores, *bounds)
-            past, spent = (None, None) if cache is None else (cache.get('ranked'), cache.get('spent'))
+            past, spent = (None, None) if cache is None else (cache.get('candidates'), cache.get('spent'))
             if causal:  # online SeqTopK: each token against the tokens before it
-                mask, ranked, spent = online_seqtopk_mask(scores, *bounds, past, spent,
-                                                          strict=cfg.seq_budget == 'strict')
+                mask, candidates, spent = online_seqtopk_mask(scores, *bounds, past, spent,
+                                                              strict=cfg.seq_budget == 'strict')
             else:  # a prompt routed jointly (offline SeqTopK), then cached for decoding
                 mask = seqtopk_mask(scores, *bounds)
-                ranked = scores.sort(dim=-1, descending=True, stable=True).values
+                min_k, max_k = seqtopk_bounds(*bounds[:1], cfg.n_exp, *bounds[1:])
+                candidates = scores.sort(dim=-1, descending=True, stable=True).values[..., min_k:max_k]
                 spent = mask.sum(dim=(1, 2)) + (0 if spent is None else spent)
-            if cache is not None:  # the Expert Cache: every token's ranked scores, and experts spent
-                cache.append('ranked', ranked)
+            if cache is not None:  # the Expert Cache: every token's candidate scores, and experts spent
+                cache.append('candidates', candidates)
                 cache['spent'] = spent
             return mask
         # batchtopk
@@ -255,19 +261,22 @@ class Router(nn.Module):
         return mask
 
     def forward(self, x, cache=None, causal=False):
-        """cache: this layer's dict in a generation's Cache (decoding); causal: route seqtopk by the
-        online rule (each token against the tokens before it) rather than the whole sequence."""
+        """cache: this layer's dict in a generation's Cache (decoding: no auxiliary loss, nothing to
+        train); causal: route seqtopk by the online rule (each token against the tokens before it)
+        rather than the whole sequence."""
         cfg = self.config
         # fp32 even under autocast: ranking near-tied scores must not depend on bf16 rounding
         with torch.autocast(device_type=x.device.type, enabled=False):
             logits = F.linear(x.float(), self.gate.weight.float())
         scores = logits.softmax(dim=-1)
+        aux_loss = 0.0
         if cfg.router == 'relu':
             weights = relu_gates(logits, self.threshold)
             mask = weights > 0
             # ReMoE's one regulariser, also its load balancer: lambda * Switch formula on the gates
             # (no z-loss: pulling logits down would close every ReLU gate; no softmax balance loss)
-            aux_loss = self.l1_coef.clone() * switch_balance(weights, mask, cfg.top_k)
+            if cache is None:
+                aux_loss = self.l1_coef.clone() * switch_balance(weights, mask, cfg.top_k)
             if self.training:
                 with torch.no_grad():
                     self.active_sum.add_(mask.float().mean())
@@ -275,8 +284,9 @@ class Router(nn.Module):
         else:
             mask = self.select(scores, cache, causal)
             weights = routing_weights(scores, mask, cfg.norm_topk_prob)
-            aux_loss = (cfg.aux_loss_weight * switch_balance(scores, mask, self.budget())
-                        + cfg.z_loss_weight * logits.logsumexp(dim=-1).square().mean())  # router z-loss
+            if cache is None:
+                aux_loss = (cfg.aux_loss_weight * switch_balance(scores, mask, self.budget())
+                            + cfg.z_loss_weight * logits.logsumexp(dim=-1).square().mean())  # router z-loss
         return mask, weights, scores, aux_loss
 
 

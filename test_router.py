@@ -568,8 +568,8 @@ def test_online_seqtopk_routes_token_m_as_seqtopk_over_tokens_1_to_m():
             # the same routing when the sequence arrives in pieces, the earlier ones in the Expert Cache
             past, spent, pieces = None, None, []
             for start, end in [(0, 5), (5, 6), (6, 13), (13, 14), (14, 20)]:
-                piece, ranked, spent = online_seqtopk_mask(scores[:, start:end], k, min_k, max_k, past, spent)
-                past = ranked if past is None else torch.cat([past, ranked], dim=1)
+                piece, rows, spent = online_seqtopk_mask(scores[:, start:end], k, min_k, max_k, past, spent)
+                past = rows if past is None else torch.cat([past, rows], dim=1)
                 pieces.append(piece)
             assert torch.equal(torch.cat(pieces, dim=1), mask) and torch.equal(spent, mask.sum(dim=(1, 2)))
 
@@ -619,7 +619,8 @@ def test_the_expert_cache_routes_decoding_exactly_like_the_causal_prefix_rule(ro
     torch.testing.assert_close(torch.cat([logits for logits, _, _ in steps], dim=1), logits_tf,
                                rtol=1e-4, atol=1e-4)
     if router == 'seqtopk':
-        assert cache.layers[0]['ranked'].shape == (2, 24, 4)  # the Expert Cache holds every token's scores
+        # the Expert Cache holds every token's scores of rank min_k..max_k-1 (here 1..3 of 4 experts)
+        assert cache.layers[0]['candidates'].shape == (2, 24, 3)
 
 
 @pytest.mark.parametrize("router", ROUTERS)
