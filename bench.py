@@ -77,18 +77,19 @@ def sync():
         torch.cuda.synchronize()
 
 
-def timed(fn, warmup=2, runs=None):
-    """Median seconds of fn() over `runs` (default `repeats`) runs, after `warmup` runs."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(runs or repeats):
-        sync()
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+def interleaved(fns):
+    """Median seconds of each fn over `repeats` rounds after a warm-up round, the fns taking turns in
+    every round, so that a drift in the machine's speed affects them alike."""
+    times = {name: [] for name in fns}
+    for round in range(repeats + 1):
+        for name, fn in fns.items():
+            sync()
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            if round:  # round 0 warms up
+                times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def peak_memory(fn):
@@ -117,32 +118,33 @@ def bench_train(results):
         gen = torch.Generator().manual_seed(seed)
         x = torch.randint(0, shape['vocab_size'], (batch, T), generator=gen).to(device)
         y = torch.randint(0, shape['vocab_size'], (batch, T), generator=gen).to(device)
-        base = None
+        runs, models = {}, {}
         for router in ROUTERS:
-            model = build(router, shape).train()
+            models[router] = model = build(router, shape).train()
             step_model = torch.compile(model) if compile else model
             opt = model.configure_optimizers(0.1, 1e-4, (0.9, 0.99), device_type)
 
-            def run():
+            def run(step_model=step_model, opt=opt):
                 for _ in range(train_steps):
                     with autocast():
                         _, ce, aux = step_model(x, y)
                     (ce + aux['aux_loss']).backward()
                     opt.step()
                     opt.zero_grad(set_to_none=True)
-            seconds = timed(run, warmup=1) / train_steps
-            base = base or seconds
-            memory = peak_memory(run)
+            runs[router] = run
+        seconds = {router: s / train_steps for router, s in interleaved(runs).items()}
+        for router, model in models.items():
+            memory = peak_memory(runs[router])
             mfu = None
             if peak_flops:  # 6 flops per active parameter per token, plus attention (nanoGPT's estimate)
                 cfg = model.config
                 flops_per_token = 6 * model.num_params(active=True) + 12 * cfg.n_layer * cfg.n_embd * T
-                mfu = flops_per_token * batch * T / seconds / peak_flops
-            row = dict(model=name, batch=batch, router=router, ms_per_step=seconds * 1e3,
-                       ratio_vs_topk=seconds / base, peak_memory_bytes=memory, mfu=mfu)
-            results['train'].append(row)
+                mfu = flops_per_token * batch * T / seconds[router] / peak_flops
+            ratio = seconds[router] / seconds['topk']
+            results['train'].append(dict(model=name, batch=batch, router=router, ms_per_step=seconds[router] * 1e3,
+                                         ratio_vs_topk=ratio, peak_memory_bytes=memory, mfu=mfu))
             print(f"| {name} ({model.num_params() / 1e6:.1f}M, {model.num_params(active=True) / 1e6:.1f}M active) "
-                  f"| {batch}x{T} | {router} | {seconds * 1e3:.1f} | {seconds / base:.3f} | "
+                  f"| {batch}x{T} | {router} | {seconds[router] * 1e3:.1f} | {ratio:.3f} | "
                   f"{'n/a' if memory is None else f'{memory / 2**20:.0f} MiB'} | "
                   f"{'n/a' if mfu is None else f'{mfu:.1%}'} |")
 
@@ -175,23 +177,27 @@ def bench_moe(results):
     for router in ('topk', 'seqtopk'):
         for impl in ('grouped', 'loop'):
             cfg = GPTConfig(n_embd=C, n_exp=N, top_k=k, exp_dim=H, router=router, moe_impl=impl)
+            torch.manual_seed(seed)
             moe = MoE(cfg).to(device)
             torch.nn.init.normal_(moe.w_fc, std=0.02)
             torch.nn.init.normal_(moe.w_proj, std=0.02)
             layers[f'MoE {router}, {impl}'] = (lambda m: (lambda inp: m(inp)[0]))(moe)
-    layers['MoE topk, naive per-expert loop'] = (lambda m: (lambda inp: naive_moe(m, inp)))(moe)
-    base = None
+            if router == 'topk' and impl == 'grouped':
+                layers['MoE topk, naive per-expert loop'] = (lambda m: (lambda inp: naive_moe(m, inp)))(moe)
+    runs = {}
     for name, layer in layers.items():
-        fn = torch.compile(layer) if compile and name != 'MoE topk, naive per-expert loop' else layer
+        fn = torch.compile(layer) if compile and 'naive' not in name else layer
 
-        def run():
+        def run(fn=fn):
             with autocast():
                 out = fn(x)
             out.float().square().mean().backward()
-        seconds = timed(run)
-        base = base or seconds
-        results['moe'].append(dict(layer=name, ms=seconds * 1e3, ratio_vs_dense=seconds / base))
-        print(f"| {name} | {seconds * 1e3:.2f} | {seconds / base:.2f} |")
+        runs[name] = run
+    seconds = interleaved(runs)
+    for name in layers:
+        ratio = seconds[name] / seconds['dense FFN']
+        results['moe'].append(dict(layer=name, ms=seconds[name] * 1e3, ratio_vs_dense=ratio))
+        print(f"| {name} | {seconds[name] * 1e3:.2f} | {ratio:.2f} |")
 
 
 # -----------------------------------------------------------------------------
@@ -214,21 +220,6 @@ def decode_step_seconds(models, context, steps):
     return {name: s / steps for name, s in seconds.items()}, caches[name]
 
 
-def interleaved(fns):
-    """Median seconds of each fn over `repeats` rounds after a warm-up round, the fns taking turns in
-    every round, so that a drift in the machine's speed affects them alike."""
-    times = {name: [] for name in fns}
-    for round in range(repeats + 1):
-        for name, fn in fns.items():
-            sync()
-            t0 = time.perf_counter()
-            fn()
-            sync()
-            if round:  # round 0 warms up
-                times[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(t) for name, t in times.items()}
-
-
 def bench_decode(results):
     """Long-context generation: the KV + Expert Cache against recomputing the context every step,
     seqtopk against topk, then the cost of one cached step at a given context."""
@@ -245,8 +236,11 @@ def bench_decode(results):
     cached = interleaved({router: (lambda g: lambda: g(True))(g) for router, g in generate.items()})
     speed = {}
     for router in models:
-        # recomputing is slow and steady: one timed run
-        recomputed = timed(lambda: generate[router](False), warmup=0, runs=1)
+        sync()  # recomputing is slow and steady: one timed run
+        t0 = time.perf_counter()
+        generate[router](False)
+        sync()
+        recomputed = time.perf_counter() - t0
         speed[router] = new_tokens / cached[router]
         results['decode'].append(dict(router=router, new_tokens=new_tokens, block_size=decode_block_size,
                                       cached_tok_s=speed[router], recompute_tok_s=new_tokens / recomputed))
