@@ -151,3 +151,37 @@ def test_the_paired_difference_figure_is_drawn_from_a_sweep_json(tmp_path):
     assert png.exists() and png.read_bytes()[:8] == b'\x89PNG\r\n\x1a\n' and png.stat().st_size > 20000
     with pytest.raises(SystemExit, match='run sweep.py first'):
         plot.main([f"--sweep={tmp_path / 'missing.json'}"])
+
+
+# -----------------------------------------------------------------------------
+# experiments: plots from logs, sweeps
+
+def synthetic_run(path, router, T=8, layers=2, N=4):
+    """A log.jsonl shaped like train.py's, with made-up numbers (no training needed)."""
+    import json
+    path.mkdir()
+    def layer(i):
+        return dict(experts_mean=2.0, experts_min=1, experts_max=3, experts_hist=[0, 10, 20, 10, 0],
+                    load=[10, 20, 30, 20], load_var=50.0, load_cv=0.35 - 0.05 * i, dead_experts=0, entropy=0.9 + 0.01 * i)
+    records = [dict(event='start', model_args=dict(router=router, top_k=2, n_exp=N))]
+    for it in (0, 10, 20):
+        rec = dict(event='eval', iter=it, layers=[layer(i) for i in range(layers)], val_ce=3.0 - it / 100,
+                   val_experts_by_position=[2.0] * T, val_experts_by_entropy=[1.5, 2.0, 2.5, 0.0],
+                   val_tokens_by_entropy=[5, 10, 5, 0])
+        if router == 'seqtopk':
+            rec.update(val_causal_experts_by_position=[2 + 0.1 * t for t in range(T)],
+                       val_offline_experts_by_position=[2.0] * T)
+        records.append(rec)
+    (path / 'log.jsonl').write_text('\n'.join(json.dumps(r) for r in records) + '\n')
+
+
+def test_plots_are_written_from_logs_alone(tmp_path):
+    import plot
+    synthetic_run(tmp_path / 'a', 'topk')
+    synthetic_run(tmp_path / 'b', 'seqtopk')
+    plot.main([str(tmp_path / 'a'), str(tmp_path / 'b')])
+    for name in ('load_variance', 'entropy_per_layer', 'experts_histogram', 'experts_by_position', 'experts_by_entropy'):
+        png = tmp_path / f'{name}.png'
+        assert png.exists() and png.read_bytes()[:8] == b'\x89PNG\r\n\x1a\n' and png.stat().st_size > 5000
+    with pytest.raises(SystemExit, match='no log.jsonl'):
+        plot.main([str(tmp_path / 'missing')])

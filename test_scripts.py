@@ -1,5 +1,6 @@
 """
-The scripts' answers to bad input and faults: every setting checked before anything runs, any bad
+The scripts end to end, offline: data, training, sampling, DDP, exact resume, atomic checkpoints;
+and their answers to bad input and faults: every setting checked before anything runs, any bad
 checkpoint file, a diverging run, SIGTERM, torchrun with default settings, local datasets.
 Run: python -m pytest -q
 """
@@ -334,3 +335,135 @@ print(json.dumps(out))
     (tmp_path / 'notes.docx').write_bytes(b'PK')
     for bad, message in (('./missing_folder', 'no such file or folder'), ('notes.docx', 'datasets reads .json')):
         assert message in one_error_line(run('prepare.py', f'--dataset={bad}', cwd=tmp_path, env=env))
+
+
+# -----------------------------------------------------------------------------
+# the scripts, end to end, offline
+
+def test_prepare_builds_the_builtin_shakespeare_offline(workdir):
+    import pickle
+    data_dir = workdir / 'data' / 'shakespeare_char'
+    meta = pickle.load(open(data_dir / 'meta.pkl', 'rb'))
+    train = np.fromfile(data_dir / 'train.bin', dtype=np.uint16)
+    val = np.fromfile(data_dir / 'val.bin', dtype=np.uint16)
+    assert len(train) > 4_000_000 and abs(len(val) / (len(train) + len(val)) - 0.1) < 0.001
+    text = ''.join(meta['itos'][int(i)] for i in train[:3000])
+    assert 'THESEUS:\n' in text and '**' not in text and '_' not in text and '#' not in text
+    # deterministic: a second run writes the same bytes
+    again = run('prepare.py', '--out_dir=again', cwd=workdir)
+    assert again.returncode == 0
+    assert (workdir / 'again' / 'train.bin').read_bytes() == (data_dir / 'train.bin').read_bytes()
+
+
+def test_gpt2_tokenizer_is_built_offline_and_exact():
+    from prepare import gpt2_encoding
+    enc = gpt2_encoding()
+    assert enc.encode("Hello world") == [15496, 995]
+    assert enc.n_vocab == 50257 and enc.decode([15496, 995]) == "Hello world"
+
+
+def test_a_hub_dataset_offline_fails_at_once_with_one_line(tmp_path):
+    result = run('prepare.py', '--dataset=roneneldan/TinyStories', cwd=tmp_path)
+    assert result.returncode != 0
+    assert 'Traceback' not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and '--text=PATH' in result.stderr
+
+
+def test_train_then_sample_produces_text(workdir):
+    out = workdir / 'out-seqtopk'
+    result = run('train.py', os.path.join(REPO, 'config', 'tiny.py'), '--router=seqtopk', f'--out_dir={out}',
+                 cwd=workdir)
+    assert result.returncode == 0, result.stderr
+    assert (out / 'ckpt.pt').exists() and 'val ce' in result.stdout
+    log = [line for line in open(out / 'log.jsonl')]
+    assert any('"event": "eval"' in line for line in log)
+    result = run('sample.py', f'--out_dir={out}', '--start=ROMEO:', '--max_new_tokens=40', '--num_samples=1',
+                 cwd=workdir)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith('ROMEO:') and len(result.stdout.split('---')[0]) >= 40
+    assert 'experts per generated token: mean' in result.stdout
+    colored = run('sample.py', f'--out_dir={out}', '--start=ROMEO:', '--max_new_tokens=10', '--num_samples=1',
+                  '--color=True', cwd=workdir)
+    assert colored.returncode == 0 and '\033[48;5;' in colored.stdout  # tokens coloured by expert count
+    # a prompt longer than the context is one clear line, not a traceback
+    result = run('sample.py', f'--out_dir={out}', '--start=' + 'a' * 100, cwd=workdir)
+    assert result.returncode != 0 and 'longer than the model' in result.stderr and 'Traceback' not in result.stderr
+
+
+# -----------------------------------------------------------------------------
+# scale: DDP, exact resume, atomic checkpoints
+
+def last_eval(out_dir):
+    import json
+    evals = [json.loads(line) for line in open(out_dir / 'log.jsonl') if '"event": "eval"' in line]
+    return evals[-1]
+
+
+@pytest.mark.parametrize("router", ["seqtopk", "relu"])
+def test_ddp_on_two_cpu_processes_matches_one_process_with_the_same_global_batch(workdir, router):
+    # relu: lambda and the thresholds step once per step, from the active fractions of every micro-batch
+    common = [os.path.join(REPO, 'config', 'tiny.py'), f'--router={router}', '--gradient_accumulation_steps=2',
+              '--max_iters=6', '--eval_interval=6', '--relu_l1_init=0.01']
+    single = run('train.py', *common, f'--out_dir=single-{router}', cwd=workdir)
+    assert single.returncode == 0, single.stderr
+    ddp = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
+                          os.path.join(REPO, 'train.py'), *common, f'--out_dir=ddp-{router}'],
+                         cwd=workdir, env=OFFLINE_ENV, capture_output=True, text=True, timeout=300)
+    assert ddp.returncode == 0, ddp.stderr
+    assert '2 processes' in ddp.stdout
+    a, b = last_eval(workdir / f'single-{router}'), last_eval(workdir / f'ddp-{router}')
+    assert a['iter'] == b['iter'] == 6
+    assert abs(a['val_ce'] - b['val_ce']) < 1e-4 and abs(a['train_ce'] - b['train_ce']) < 1e-4
+    if router == 'relu':  # the same lambda and thresholds, and they moved
+        for key in ('l1_coef', 'relu_threshold'):
+            assert [l[key] for l in a['layers']] == pytest.approx([l[key] for l in b['layers']], rel=1e-5, abs=1e-7)
+        assert all(l['l1_coef'] != 0.01 for l in a['layers']) and any(l['relu_threshold'] < 0 for l in a['layers'])
+
+
+@pytest.mark.parametrize("router", ["seqtopk", "batchtopk", "mrltopk", "relu"])
+def test_twenty_steps_straight_equal_ten_plus_resumed_ten(workdir, router):
+    # mrltopk at top_k=4 of 4 draws k from {2, 4} per layer and step; relu carries lambda in the checkpoint
+    common = [os.path.join(REPO, 'config', 'tiny.py'), f'--router={router}', '--lr_decay_iters=20',
+              '--eval_interval=10'] + (['--top_k=4'] if router == 'mrltopk' else [])
+    straight = run('train.py', *common, '--max_iters=20', f'--out_dir=straight-{router}', cwd=workdir)
+    first = run('train.py', *common, '--max_iters=10', f'--out_dir=split-{router}', cwd=workdir)
+    resumed = run('train.py', *common, '--max_iters=20', '--init_from=resume', f'--out_dir=split-{router}',
+                  cwd=workdir)
+    for result in (straight, first, resumed):
+        assert result.returncode == 0, result.stderr
+    a, b = last_eval(workdir / f'straight-{router}'), last_eval(workdir / f'split-{router}')
+    assert a['iter'] == b['iter'] == 20
+    assert a['val_ce'] == pytest.approx(b['val_ce'], abs=1e-6)
+    assert a['train_ce'] == pytest.approx(b['train_ce'], abs=1e-6)
+
+
+def test_resume_with_another_architecture_is_a_clear_error(workdir):
+    out = workdir / 'arch'
+    assert run('train.py', os.path.join(REPO, 'config', 'tiny.py'), '--max_iters=2', f'--out_dir={out}',
+               cwd=workdir).returncode == 0
+    result = run('train.py', os.path.join(REPO, 'config', 'tiny.py'), '--init_from=resume', '--n_exp=8',
+                 f'--out_dir={out}', cwd=workdir)
+    assert result.returncode != 0 and 'Traceback' not in result.stderr
+    assert 'trained with n_exp=4' in result.stderr
+    again = run('train.py', os.path.join(REPO, 'config', 'tiny.py'), f'--out_dir={out}', cwd=workdir)
+    assert again.returncode != 0 and 'already holds a run' in again.stderr  # no silent overwrite
+
+
+def test_a_run_killed_while_saving_leaves_a_loadable_checkpoint(workdir):
+    import signal
+    import time
+    out = workdir / 'killed'
+    for delay in (0.05, 0.3, 0.7):
+        proc = subprocess.Popen([sys.executable, os.path.join(REPO, 'train.py'), os.path.join(REPO, 'config', 'tiny.py'),
+                                 '--max_iters=100000', '--eval_interval=1', '--eval_iters=1', '--always_save_checkpoint=True',
+                                 f'--out_dir={out}', '--overwrite=True'],
+                                cwd=workdir, env=OFFLINE_ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.time() + 60
+        while not (out / 'ckpt.pt').exists() and time.time() < deadline:
+            time.sleep(0.05)
+        time.sleep(delay)  # the run saves every step: this lands in or near a save
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        ckpt = torch.load(out / 'ckpt.pt', weights_only=True)
+        assert ckpt['iter_num'] >= 1 and 'model' in ckpt
+        (out / 'ckpt.pt').unlink()

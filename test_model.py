@@ -1,0 +1,196 @@
+"""
+The expert dispatch and the model around it as tests: one path from any routing mask, static shapes
+for the exact budgets, bf16 experts, whole-model compile, and on a GPU (skipped without one) the same
+in CUDA. Run: python -m pytest -q
+"""
+import pytest
+import torch
+
+from model import GPT, dispatch
+from router import ROUTERS, topk_mask
+from test_router import counting_batches, tiny_config, trained_tiny
+
+
+# -----------------------------------------------------------------------------
+# dispatch: one path from any mask to expert outputs
+
+def naive_moe(x, mask, weights, w_fc, w_proj):
+    """Reference: every token, every selected expert, one at a time."""
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for e in mask[t].nonzero().flatten().tolist():
+            h = torch.nn.functional.gelu(x[t] @ w_fc[e])
+            out[t] = out[t] + weights[t, e] * (h @ w_proj[e])
+    return out
+
+
+@pytest.mark.parametrize("kernel", [True, False])
+def test_dispatch_equals_a_per_token_reference_forward_and_gradient(kernel):
+    g = torch.Generator().manual_seed(0)
+    M, C, H, N = 24, 16, 12, 6
+    mask = torch.rand(M, N, generator=g) < 0.35  # 0 to N experts per token; some experts idle
+    mask[:, 5] = False
+    mask[3] = False
+    weights = torch.rand(M, N, generator=g) * mask
+    params = [torch.randn(M, C, generator=g), torch.randn(N, C, H, generator=g) * 0.3,
+              torch.randn(N, H, C, generator=g) * 0.3]
+    grads = []
+    for fn in (lambda *a: dispatch(*a[:1], mask, weights, *a[1:], kernel=kernel),
+               lambda *a: naive_moe(a[0], mask, weights, a[1], a[2])):
+        leaves = [p.clone().requires_grad_() for p in params]
+        out = fn(*leaves)
+        (out * torch.linspace(-1, 1, C)).sum().backward()
+        grads.append((out.detach(), [p.grad for p in leaves]))
+    (out_a, grads_a), (out_b, grads_b) = grads
+    torch.testing.assert_close(out_a, out_b, rtol=1e-4, atol=1e-5)
+    for ga, gb in zip(grads_a, grads_b):
+        torch.testing.assert_close(ga, gb, rtol=1e-4, atol=1e-5)
+    assert out_a[3].abs().max() == 0  # a token with no expert gets nothing added
+
+
+def test_an_expert_width_the_grouped_kernel_cannot_take_falls_back_to_a_matmul_per_expert():
+    g = torch.Generator().manual_seed(1)
+    M, C, H, N = 10, 16, 5, 3  # rows of 5 floats are not 16-byte aligned
+    mask = torch.rand(M, N, generator=g) < 0.5
+    weights = torch.rand(M, N, generator=g) * mask
+    x, w_fc, w_proj = torch.randn(M, C, generator=g), torch.randn(N, C, H, generator=g), torch.randn(N, H, C, generator=g)
+    torch.testing.assert_close(dispatch(x, mask, weights, w_fc, w_proj), naive_moe(x, mask, weights, w_fc, w_proj),
+                               rtol=1e-4, atol=1e-5)
+
+
+def train_step(model, x, y):
+    """Loss and gradients of one training step (forward + backward)."""
+    model.zero_grad()
+    _, ce, aux = model(x, y)
+    (ce + aux['aux_loss']).backward()
+    return ce.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("router", ["topk", "mrltopk", "seqtopk", "batchtopk"])
+def test_the_exact_budgets_dispatch_with_static_shapes_equal_to_the_dynamic_path(router, monkeypatch):
+    from router import Router
+    torch.manual_seed(0)
+    model = GPT(tiny_config(router))
+    x, y = next(counting_batches(seed=7))
+    # topk, mrltopk, seqtopk and batchtopk in training know their B*T*k pairs before routing ...
+    assert [b.ffn.router.fixed_pairs(x.numel()) for b in model.transformer.h] == [x.numel() * 2] * 2
+    static = train_step(model, x, y)
+    # ... and give the same loss and gradients as the path that counts the pairs (relu's)
+    monkeypatch.setattr(Router, 'fixed_pairs', lambda self, n_tokens, causal=False: None)
+    dynamic = train_step(model, x, y)
+    assert torch.equal(static[0], dynamic[0])
+    for a, b in zip(static[1], dynamic[1]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("router", ["topk", "mrltopk", "seqtopk", "batchtopk"])
+def test_a_training_step_of_the_exact_budgets_never_waits_on_a_data_dependent_size(router):
+    from torch.profiler import profile
+    torch.manual_seed(0)
+    model = GPT(tiny_config(router))
+    x, y = next(counting_batches(seed=7))
+    train_step(model, x, y)
+    with profile() as prof:
+        train_step(model, x, y)
+    def caller(event):
+        return event.cpu_parent.name if event.cpu_parent is not None else None
+    # no nonzero, no .item() or int() (the CPU grouped kernel reads its offsets itself; CUDA's does
+    # that on the device): on a GPU the step never stops to wait for the host
+    host_reads = [e.name for e in prof.events() if e.name in ('aten::nonzero', 'aten::item', 'aten::tolist')
+                  and caller(e) != 'aten::_grouped_mm']
+    assert host_reads == []
+    # and every expert matmul is the grouped kernel: 2 forward, 2 input and 2 weight gradients per layer
+    assert sum(e.name == 'aten::_grouped_mm' for e in prof.events()) == 6 * model.config.n_layer
+
+
+def test_under_bf16_autocast_the_experts_run_in_bf16_and_match_fp32():
+    from model import MoE
+    torch.manual_seed(0)
+    moe = MoE(tiny_config('seqtopk', n_exp=8, top_k=2, exp_dim=64))
+    torch.nn.init.normal_(moe.w_fc, std=0.1)
+    torch.nn.init.normal_(moe.w_proj, std=0.1)
+    x = torch.randn(4, 32, 32)
+    outputs = []
+    for dtype in (torch.float32, torch.bfloat16):
+        moe.zero_grad()
+        with torch.autocast('cpu', dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+            y, _, (mask, scores) = moe(x)
+        assert y.dtype == dtype and scores.dtype == torch.float32  # the router stays fp32
+        y.float().square().sum().backward()
+        outputs.append((y.float(), mask, moe.w_fc.grad.clone(), moe.w_proj.grad.clone()))
+    (y32, mask32, *grads32), (y16, mask16, *grads16) = outputs
+    assert torch.equal(mask32, mask16)  # same routing: the scores were not rounded to bf16
+    torch.testing.assert_close(y16, y32, rtol=2e-2, atol=2e-2 * y32.abs().max().item())
+    for g16, g32 in zip(grads16, grads32):
+        torch.testing.assert_close(g16, g32, rtol=5e-2, atol=5e-2 * g32.abs().max().item())
+
+
+@pytest.mark.parametrize("router", ["topk", "seqtopk"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_training_forward_compiles_to_one_graph_with_no_break(router, dtype):
+    torch._dynamo.reset()
+    model = GPT(tiny_config(router))
+    x, y = next(counting_batches())
+    with torch.autocast('cpu', dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+        explanation = torch._dynamo.explain(model)(x, y)
+    assert explanation.graph_break_count == 0 and explanation.graph_count == 1, explanation.break_reasons
+
+
+# on a GPU (skipped without one, so CI stays CPU-only)
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@needs_cuda
+def test_cuda_bf16_dispatch_equals_the_fp32_reference_forward_and_gradient():
+    g = torch.Generator().manual_seed(0)
+    M, C, H, N = 256, 64, 32, 8
+    mask = topk_mask(torch.rand(1, M, N, generator=g), 2)[0]
+    weights = torch.rand(M, N, generator=g) * mask
+    params = [torch.randn(M, C, generator=g), torch.randn(N, C, H, generator=g) * 0.3,
+              torch.randn(N, H, C, generator=g) * 0.3]
+    results = []
+    for device, dtype in (('cpu', torch.float32), ('cuda', torch.bfloat16)):
+        leaves = [p.to(device, dtype).requires_grad_() for p in params]
+        out = dispatch(leaves[0], mask.to(device), weights.to(device, dtype), *leaves[1:], n_pairs=M * 2)
+        out.float().square().sum().backward()
+        results.append([t.detach().float().cpu() for t in (out, *[p.grad for p in leaves])])
+    for got, want in zip(results[1], results[0]):
+        torch.testing.assert_close(got, want, rtol=3e-2, atol=3e-2 * want.abs().max().item())
+
+
+@needs_cuda
+@pytest.mark.parametrize("router", ["topk", "seqtopk"])
+def test_cuda_bf16_training_step_compiles_to_one_graph_and_never_syncs(router):
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = GPT(tiny_config(router)).cuda()
+    x, y = (t.cuda() for t in next(counting_batches()))
+    with torch.autocast('cuda', dtype=torch.bfloat16):
+        explanation = torch._dynamo.explain(model)(x, y)
+        assert explanation.graph_break_count == 0, explanation.break_reasons
+        train_step(model, x, y)  # warm-up
+        torch.cuda.set_sync_debug_mode('error')  # any host sync raises
+        try:
+            train_step(model, x, y)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+
+
+@needs_cuda
+def test_cuda_cached_generation_equals_full_recompute():
+    model = trained_tiny('seqtopk').cuda()
+    prompt = torch.randint(0, 16, (2, 5), generator=torch.Generator().manual_seed(1)).cuda()
+    cached = model.generate(prompt, 25, temperature=0, use_cache=True)
+    assert torch.equal(cached, model.generate(prompt, 25, temperature=0, use_cache=False))
+
+
+@pytest.mark.parametrize("router", ROUTERS)
+def test_torch_compile_trains_with_every_router_like_eager(router):
+    torch.manual_seed(0)
+    model = GPT(tiny_config(router))
+    x, y = next(counting_batches())
+    _, eager_ce, _ = model(x, y)
+    _, ce, aux = torch.compile(model)(x, y)
+    (ce + aux['aux_loss']).backward()
+    assert ce.item() == pytest.approx(eager_ce.item(), rel=1e-4)
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
