@@ -1,5 +1,5 @@
 # Pretraining at higher sparsity, with dense baselines: the paper's Table 3 routers (topk, relu as
-# ReMoE, seqtopk) on 2 CPU cores, 3 seeds; about 50 minutes (estimate from 40-step timings, see README).
+# ReMoE, seqtopk) on 2 CPU cores, 3 seeds; about 51 minutes on the 2-core machine (measured, see README).
 # python sweep.py config/sweep_cpu.py
 # 64 experts of width 16 on the default 4-layer, 128-wide model: K = 8, 4, 2 is sparsity 1/8 .. 1/32.
 # Dense rows: FFN width K*16 (the MoE's active parameters at each K) and 64*16 = 1024 (its total).
