@@ -58,7 +58,8 @@ class GPTConfig:
 class Cache:
     """What one generation carries from step to step, per layer: the attention keys and values
     (KV cache) and, for the MoE layers, every token's router scores that online SeqTopK can still
-    weigh, of rank seq_min_k..seq_max_k-1 (the Expert Cache), and the experts spent so far. Passed through forward(); the model itself holds no decoding state."""
+    weigh, of rank seq_min_k..seq_max_k-1 (the Expert Cache), and the experts spent so far. Passed
+    through forward(); the model itself holds no decoding state."""
 
     def __init__(self, n_layer):
         self.pos = 0  # tokens seen so far
@@ -77,7 +78,8 @@ class LayerCache(dict):
         """Append new (B, T, ...) to self[name] along time and return the whole. It is a view of a
         buffer that doubles when full, so a decoding step copies its own token, not the whole cache."""
         old = self.get(name)
-        n, end = (0 if old is None else old.shape[1]), (0 if old is None else old.shape[1]) + new.shape[1]
+        n = 0 if old is None else old.shape[1]
+        end = n + new.shape[1]
         buffer = self.get('buffer.' + name)
         if buffer is None or buffer.shape[1] < end:
             grown = new.new_empty(new.shape[0], max(end, 2 * n), *new.shape[2:])

@@ -243,7 +243,7 @@ class Router(nn.Module):
                                                               strict=cfg.seq_budget == 'strict')
             else:  # a prompt routed jointly (offline SeqTopK), then cached for decoding
                 mask = seqtopk_mask(scores, *bounds)
-                min_k, max_k = seqtopk_bounds(*bounds[:1], cfg.n_exp, *bounds[1:])
+                min_k, max_k = seqtopk_bounds(cfg.top_k, cfg.n_exp, cfg.seq_min_k, cfg.seq_max_k or None)
                 candidates = scores.sort(dim=-1, descending=True, stable=True).values[..., min_k:max_k]
                 spent = mask.sum(dim=(1, 2)) + (0 if spent is None else spent)
             if cache is not None:  # the Expert Cache: every token's candidate scores, and experts spent

@@ -233,7 +233,7 @@ def main():
     for group, k, seed, name, _, _ in runs:
         if group is not None:
             by_group.setdefault((group, k), {})[seed] = dict(finished[name], name=name)
-    rows, records = [], []
+    rows = []
     for k in ks:
         topk = {kind: by_group[(('topk', kind), k)] for kind in ('train', 'training-free')
                 if (('topk', kind), k) in by_group}

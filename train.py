@@ -115,10 +115,10 @@ config = {k: globals()[k] for k in sorted(globals()) if not k.startswith('_') an
 validate(config, RULES, RELATIONS + (MODEL_RELATIONS if init_from == 'scratch' else []))
 t_begin = time.time()
 MODEL_KEYS = [f.name for f in fields(GPTConfig)]
+# settings that may change on resume or fine-tuning; the rest is architecture
 ROUTING_KEYS = {'router', 'top_k', 'seq_min_k', 'seq_max_k', 'norm_topk_prob', 'aux_loss_weight', 'z_loss_weight',
                 'threshold_decay', 'relu_l1_init', 'relu_l1_step', 'relu_l1_per_layer', 'relu_threshold_step',
-                'moe_impl', 'dropout', 'seq_causal',
-                'seq_budget'}  # may change on resume; the rest is architecture
+                'moe_impl', 'dropout', 'seq_causal', 'seq_budget'}
 
 
 def fail(message):
