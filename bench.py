@@ -61,7 +61,10 @@ RULES = dict(what=one_of('all', 'train', 'moe', 'decode'), dtype=one_of('float32
              device=Rule(lambda v: re.fullmatch(r'cpu|cuda(:\d+)?', v) is not None, 'cpu, cuda or cuda:N'))
 RELATIONS = [('moe_top_k', lambda c: c['moe_top_k'] <= c['moe_n_exp'], 'at most --moe_n_exp={moe_n_exp}'),
              ('new_tokens', lambda c: c['prompt_tokens'] + c['new_tokens'] <= c['decode_block_size'],
-              'at most --decode_block_size={decode_block_size} minus --prompt_tokens={prompt_tokens}')]
+              'at most --decode_block_size={decode_block_size} minus --prompt_tokens={prompt_tokens}'),
+             ('contexts', lambda c: max(int(x) for x in c['contexts'].split(',')) + c['steps_at_context']
+              <= c['decode_block_size'], 'contexts of at most --decode_block_size={decode_block_size} '
+              'minus --steps_at_context={steps_at_context}')]
 apply_overrides(globals(), sys.argv[1:])
 validate({k: v for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str))},
          RULES, RELATIONS)
@@ -205,7 +208,7 @@ def bench_moe(results):
 def decode_step_seconds(models, context, steps):
     """Per model, seconds per cached decode step after a prompt of `context` tokens (not timed), the
     models taking turns step by step so that a drift in the machine's speed affects them alike; and
-    the last model's cache."""
+    per model, its cache."""
     prompt = torch.randint(0, LARGER['vocab_size'], (1, context), generator=torch.Generator().manual_seed(seed))
     caches = {name: Cache(model.config.n_layer) for name, model in models.items()}
     tokens = {name: model(prompt.to(device), cache=caches[name])[0][:, -1:].argmax(-1) for name, model in models.items()}
@@ -217,7 +220,7 @@ def decode_step_seconds(models, context, steps):
             tokens[name] = model(tokens[name], cache=caches[name])[0][:, -1:].argmax(-1)
             sync()
             seconds[name] += time.perf_counter() - t0
-    return {name: s / steps for name, s in seconds.items()}, caches[name]
+    return {name: s / steps for name, s in seconds.items()}, caches
 
 
 def bench_decode(results):
@@ -226,7 +229,7 @@ def bench_decode(results):
     shape = dict(LARGER, block_size=decode_block_size)
     prompt = torch.randint(0, shape['vocab_size'], (1, prompt_tokens), generator=torch.Generator().manual_seed(seed))
     prompt = prompt.to(device)
-    models = {router: build(router, shape).eval() for router in ('topk', 'seqtopk')}  # seqtopk last
+    models = {router: build(router, shape).eval() for router in ('topk', 'seqtopk')}
     print(f"\n### Decoding: {new_tokens} new tokens after a {prompt_tokens}-token prompt, larger model with a "
           f"{decode_block_size}-token context (greedy, batch 1)\n")
     print("| router | KV + Expert Cache tok/s | full recompute tok/s | speed-up |")
@@ -250,13 +253,10 @@ def bench_decode(results):
     print("| context | topk ms/step | seqtopk ms/step | seqtopk / topk speed | KV cache | Expert Cache | Expert / KV |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for context in (int(c) for c in contexts.split(',')):
-        if context + steps_at_context > decode_block_size:
-            raise SystemExit(f"error: --contexts={contexts}: {context} + {steps_at_context} steps exceed "
-                             f"decode_block_size={decode_block_size}")
         runs = [decode_step_seconds(models, context, steps_at_context) for _ in range(repeats + 1)][1:]
         step = {router: statistics.median(seconds[router] for seconds, _ in runs) for router in models}
-        cache = runs[-1][1]
-        kv, expert = cache.nbytes('kv'), cache.nbytes('expert')  # from the seqtopk run
+        cache = runs[-1][1]['seqtopk']
+        kv, expert = cache.nbytes('kv'), cache.nbytes('expert')
         results['decode_context'].append(dict(context=context, topk_ms=step['topk'] * 1e3, seqtopk_ms=step['seqtopk'] * 1e3,
                                               kv_cache_bytes=kv, expert_cache_bytes=expert))
         print(f"| {context} | {step['topk'] * 1e3:.2f} | {step['seqtopk'] * 1e3:.2f} | {step['topk'] / step['seqtopk']:.3f} "
