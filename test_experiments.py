@@ -5,19 +5,10 @@ Run: python -m pytest -q
 import json
 import math
 import os
-import subprocess
-import sys
 
 import pytest
 
-REPO = os.path.dirname(os.path.abspath(__file__))
-OFFLINE_ENV = dict(os.environ, HF_DATASETS_OFFLINE='1', HF_HUB_OFFLINE='1', OMP_NUM_THREADS='1')
-TINY = os.path.join(REPO, 'config', 'tiny.py')
-
-
-def run(script, *args, cwd):
-    return subprocess.run([sys.executable, os.path.join(REPO, script), *args], cwd=cwd, env=OFFLINE_ENV,
-                          capture_output=True, text=True, timeout=300)
+from test_scripts import TINY, run  # the scripts as subprocesses, networking off, one thread
 
 
 # -----------------------------------------------------------------------------
