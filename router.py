@@ -90,40 +90,41 @@ def online_seqtopk_mask(scores, k, min_k=1, max_k=None, past=None, spent=None, s
     # A candidate of token m is taken iff fewer than m*(k - min_k) candidates of tokens 1..m come
     # before it: earlier tokens' scoring >= it (earlier tokens win ties, as in seqtopk_mask) and the
     # token's own better-ranked ones. `before` counts them, plus the candidate itself.
-    if T == 1:  # a decoding step: of the new candidates, its own better-ranked ones and itself
-        before = torch.arange(1, R + 1, device=scores.device)
-    else:  # sort the new candidates once in that order (a stable sort of the token-major flattening
-        # breaks ties by token, then rank): those before a candidate of token m are then a running
-        # count of the ones of tokens <= m, linear in T per token instead of comparing every pair
-        ordered = candidates.reshape(B, T * R).sort(dim=-1, descending=True, stable=True).indices
-        token_of = ordered // R
-        place = torch.empty_like(ordered).scatter_(-1, ordered, torch.arange(T * R, device=scores.device).expand(B, -1))
-        place = place.view(B, T, R)
-        before = torch.empty(B, T, R, dtype=torch.long, device=scores.device)
-        chunk = max(1, 2 ** 24 // max(1, B * T * R))  # bounds the (B, chunk, T*R) running counts
-        for t0 in range(0, T, chunk):
-            t = torch.arange(t0, min(T, t0 + chunk), device=scores.device)
-            running = (token_of[:, None, :] <= t[None, :, None]).cumsum(dim=-1)
-            before[:, t0:t0 + chunk] = running.gather(-1, place[:, t0:t0 + chunk])
+    if T == 1 and not strict:  # a decoding step, m = P + 1, in as few ops as it can: it runs per layer per token
+        cached = past.reshape(B, 1, 1, P * R) if P else candidates.new_empty(B, 1, 1, 0)
+        before = (cached >= candidates.unsqueeze(-1)).sum(-1)  # cached candidates >= each of its own
+        allowed = (P + 1) * (k - min_k) - torch.arange(1, R + 1, device=scores.device)  # minus its own
+        counts = (before <= allowed).sum(dim=-1) + min_k
+        return order.argsort(dim=-1) < counts.unsqueeze(-1), candidates, spent + counts[:, 0]
+    # Sort the new candidates once in that order (a stable sort of the token-major flattening breaks
+    # ties by token, then rank): those before a candidate of token m are then a running count of the
+    # ones of tokens <= m, linear in T per token instead of comparing every pair.
+    ordered = candidates.reshape(B, T * R).sort(dim=-1, descending=True, stable=True).indices
+    token_of = ordered // R
+    place = torch.empty_like(ordered).scatter_(-1, ordered, torch.arange(T * R, device=scores.device).expand(B, -1))
+    place = place.view(B, T, R)
+    before = torch.empty(B, T, R, dtype=torch.int32, device=scores.device)
+    chunk = max(1, 2 ** 24 // max(1, B * T * R))  # bounds the (B, chunk, T*R) running counts
+    for t0 in range(0, T, chunk):
+        t = torch.arange(t0, min(T, t0 + chunk), device=scores.device)
+        running = (token_of[:, None, :] <= t[None, :, None]).cumsum(dim=-1, dtype=torch.int32)
+        before[:, t0:t0 + chunk] = running.gather(-1, place[:, t0:t0 + chunk])
     if P:  # the Expert Cache's tokens are all earlier: count their candidates scoring >= each one
         cached = past.reshape(B, 1, 1, P * R)
         chunk = max(1, 2 ** 24 // max(1, B * P * R * R))  # bounds the (B, chunk, R, P*R) comparison
-        cached_ge = [torch.count_nonzero(cached >= candidates[:, t0:t0 + chunk, :, None], dim=-1)
-                     for t0 in range(0, T, chunk)]
-        before = before + (cached_ge[0] if len(cached_ge) == 1 else torch.cat(cached_ge, dim=1))
+        for t0 in range(0, T, chunk):
+            before[:, t0:t0 + chunk] += (cached >= candidates[:, t0:t0 + chunk, :, None]).sum(-1, dtype=torch.int32)
     # taken: candidates with fewer than m*(k - min_k) before them (`before` counts the candidate too)
-    if T == 1 and not strict:  # a decoding step: m = P + 1, a plain number
-        position, allowed = P + 1, (P + 1) * (k - min_k)
-    else:
-        position = torch.arange(P + 1, P + T + 1, device=scores.device)  # m, 1-based
-        allowed = (position * (k - min_k))[:, None]
-    counts = (before <= allowed).sum(dim=-1) + min_k
+    position = torch.arange(P + 1, P + T + 1, device=scores.device)  # m, 1-based
+    counts = (before <= (position * (k - min_k))[:, None]).sum(dim=-1) + min_k
     if strict:  # spent_m = min(spent_{m-1} + count_m, m*k), in closed form: a cumulative min
         total = counts.cumsum(dim=1)
         slack = torch.cat([spent[:, None], position * k - total], dim=1).cummin(dim=1).values
         capped = total + slack[:, 1:]
         counts = capped - torch.cat([spent[:, None], capped[:, :-1]], dim=1)
-    mask = order.argsort(dim=-1) < counts[..., None]  # each expert's rank within its token < count
+    # each expert's rank within its token < count (a scatter: cheaper than inverting `order` by a sort)
+    keep = torch.arange(N, device=scores.device) < counts.unsqueeze(-1)
+    mask = torch.zeros_like(keep).scatter_(-1, order, keep)
     return mask, candidates, spent + counts.sum(dim=1)
 
 
