@@ -50,23 +50,29 @@ def seqtopk_bounds(k, n_exp, min_k=1, max_k=None):
     return min_k, max_k
 
 
+def top_entries(values, n):
+    """Mask of the n largest entries of each row of values (..., L), ties to the earlier entry: a
+    stable top-n without a sort (the n-th largest value, then the ties that still fit, in order)."""
+    if n == 0:
+        return torch.zeros_like(values, dtype=torch.bool)
+    nth = values.topk(n, dim=-1, sorted=False).values.amin(dim=-1, keepdim=True)
+    above, tied = values > nth, values == nth
+    return above | (tied & (tied.cumsum(dim=-1) <= n - above.sum(dim=-1, keepdim=True)))
+
+
 def seqtopk_mask(scores, k, min_k=1, max_k=None):
     # Eq. (5), SeqTopK routing: the top T*k entries of each sequence's T x N score matrix,
     # with every token taking between min_k and max_k experts (paper default: 1 and k+2).
     B, T, N = scores.shape
     min_k, max_k = seqtopk_bounds(k, N, min_k, max_k)
-    # Within a token the best c experts are always its top c, so rank each token's experts once.
-    # Stable sorts make ties deterministic: the lower expert index, then the earlier token, wins.
-    ranked, order = scores.sort(dim=-1, descending=True, stable=True)
-    chosen = torch.zeros_like(scores, dtype=torch.bool)  # indexed by (token, rank), not expert
-    chosen[..., :min_k] = True  # every token's guaranteed experts
-    # The rest of the budget goes to the best entries of rank [min_k, max_k) across the sequence.
-    # Ranked scores fall within a token, so a greedy pick is the highest-total-score selection.
-    extra = ranked[..., min_k:max_k].reshape(B, -1)
-    pick = extra.sort(dim=-1, descending=True, stable=True).indices[:, :T * (k - min_k)]
-    extra_chosen = torch.zeros_like(extra, dtype=torch.bool).scatter_(-1, pick, True)
-    chosen[..., min_k:max_k] = extra_chosen.view(B, T, max_k - min_k)
-    return torch.zeros_like(chosen).scatter_(-1, order, chosen)  # (token, rank) -> (token, expert)
+    # Within a token the best c experts are always its top c, so only its top max_k can be taken
+    # (ranked as torch.topk ranks them, ties included, in every seqtopk path) and its first min_k are.
+    ranked, order = scores.topk(max_k, dim=-1)
+    # The rest of the budget goes to the best entries of rank [min_k, max_k) across the sequence,
+    # ties to the earlier token. Ranked scores fall within a token, so a greedy pick is the best total.
+    extra = top_entries(ranked[..., min_k:].reshape(B, -1), T * (k - min_k))
+    chosen = torch.cat([torch.ones_like(order[..., :min_k], dtype=torch.bool), extra.view(B, T, -1)], dim=-1)
+    return torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, order, chosen)  # (token, rank) -> expert
 
 
 def online_seqtopk_mask(scores, k, min_k=1, max_k=None, past=None, spent=None, strict=False):
@@ -85,17 +91,19 @@ def online_seqtopk_mask(scores, k, min_k=1, max_k=None, past=None, spent=None, s
     R = max_k - min_k  # the candidates of a token: its entries of rank [min_k, max_k)
     P = 0 if past is None else past.shape[1]
     spent = torch.zeros(B, dtype=torch.long, device=scores.device) if spent is None else spent
-    ranked, order = scores.sort(dim=-1, descending=True, stable=True)
-    candidates = ranked[..., min_k:max_k]                                   # (B, T, R)
+    ranked, order = scores.topk(max_k, dim=-1)  # each token's top max_k, ranked as seqtopk_mask ranks them
+    candidates = ranked[..., min_k:]                                        # (B, T, R)
+    rank = torch.arange(max_k, device=scores.device)
     # A candidate of token m is taken iff fewer than m*(k - min_k) candidates of tokens 1..m come
     # before it: earlier tokens' scoring >= it (earlier tokens win ties, as in seqtopk_mask) and the
     # token's own better-ranked ones. `before` counts them, plus the candidate itself.
     if T == 1 and not strict:  # a decoding step, m = P + 1, in as few ops as it can: it runs per layer per token
-        cached = past.reshape(B, 1, 1, P * R) if P else candidates.new_empty(B, 1, 1, 0)
-        before = (cached >= candidates.unsqueeze(-1)).sum(-1)  # cached candidates >= each of its own
-        allowed = (P + 1) * (k - min_k) - torch.arange(1, R + 1, device=scores.device)  # minus its own
-        counts = (before <= allowed).sum(dim=-1) + min_k
-        return order.argsort(dim=-1) < counts.unsqueeze(-1), candidates, spent + counts[:, 0]
+        cached = past.reshape(B, 1, P * R) if P else candidates.new_empty(B, 1, 0)
+        before = (cached >= candidates.reshape(B, R, 1)).sum(-1, dtype=torch.int32)  # cached ones >= each
+        allowed = (P + 1) * (k - min_k) + min_k - 1 - rank[min_k:]  # minus its own, better-ranked or itself
+        counts = (before <= allowed).sum(dim=-1, keepdim=True) + min_k
+        mask = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, order, rank < counts.unsqueeze(-1))
+        return mask, candidates, spent + counts[:, 0]
     # Sort the new candidates once in that order (a stable sort of the token-major flattening breaks
     # ties by token, then rank): those before a candidate of token m are then a running count of the
     # ones of tokens <= m, linear in T per token instead of comparing every pair.
@@ -122,18 +130,15 @@ def online_seqtopk_mask(scores, k, min_k=1, max_k=None, past=None, spent=None, s
         slack = torch.cat([spent[:, None], position * k - total], dim=1).cummin(dim=1).values
         capped = total + slack[:, 1:]
         counts = capped - torch.cat([spent[:, None], capped[:, :-1]], dim=1)
-    # each expert's rank within its token < count (a scatter: cheaper than inverting `order` by a sort)
-    keep = torch.arange(N, device=scores.device) < counts.unsqueeze(-1)
-    mask = torch.zeros_like(keep).scatter_(-1, order, keep)
+    # a token takes its experts of rank < its count
+    mask = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, order, rank < counts.unsqueeze(-1))
     return mask, candidates, spent + counts.sum(dim=1)
 
 
 def batchtopk_mask(scores, k):
     # BatchTopK (Bussmann et al.), training: the top B*T*k entries of the whole batch's scores.
     B, T, N = scores.shape
-    flat = scores.reshape(-1)
-    pick = flat.sort(descending=True, stable=True).indices[:B * T * k]
-    return torch.zeros_like(flat, dtype=torch.bool).scatter_(0, pick, True).view(B, T, N)
+    return top_entries(scores.reshape(-1), B * T * k).view(B, T, N)
 
 
 def threshold_mask(scores, threshold):
@@ -245,7 +250,7 @@ class Router(nn.Module):
             else:  # a prompt routed jointly (offline SeqTopK), then cached for decoding
                 mask = seqtopk_mask(scores, *bounds)
                 min_k, max_k = seqtopk_bounds(cfg.top_k, cfg.n_exp, cfg.seq_min_k, cfg.seq_max_k or None)
-                candidates = scores.sort(dim=-1, descending=True, stable=True).values[..., min_k:max_k]
+                candidates = scores.topk(max_k, dim=-1).values[..., min_k:]
                 spent = mask.sum(dim=(1, 2)) + (0 if spent is None else spent)
             if cache is not None:  # the Expert Cache: every token's candidate scores, and experts spent
                 cache.append('candidates', candidates)

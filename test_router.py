@@ -107,6 +107,20 @@ def test_seqtopk_is_deterministic_under_ties():
     first = seqtopk_mask(scores, 2)
     assert torch.equal(first, seqtopk_mask(scores.clone(), 2))
     assert (first.sum(dim=(1, 2)) == 32).all()
+    # across tokens the earlier token wins: the 16 experts beyond each token's first go 3 by 3
+    # (up to max_k = 4) to the earliest tokens
+    assert first[0].sum(-1).tolist() == [4] * 5 + [2] + [1] * 10
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_top_entries_is_a_stable_top_n(seed):
+    from router import top_entries
+    g = torch.Generator().manual_seed(seed)
+    for values in (torch.randn(3, 50, generator=g), torch.randint(0, 4, (3, 50), generator=g).float()):
+        for n in (0, 1, 7, 25, 50):
+            reference = torch.zeros_like(values, dtype=torch.bool)
+            reference.scatter_(-1, values.sort(dim=-1, descending=True, stable=True).indices[:, :n], True)
+            assert torch.equal(top_entries(values, n), reference)
 
 
 def test_seqtopk_on_a_single_token_is_topk():
