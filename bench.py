@@ -80,17 +80,17 @@ def sync():
         torch.cuda.synchronize()
 
 
-def interleaved(fns):
-    """Median seconds of each fn over `repeats` rounds after a warm-up round, the fns taking turns in
-    every round, so that a drift in the machine's speed affects them alike."""
+def interleaved(fns, rounds=None, warm_up=True):
+    """Median seconds of each fn over `rounds` (default `repeats`) rounds after a warm-up round, the
+    fns taking turns in every round, so that a drift in the machine's speed affects them alike."""
     times = {name: [] for name in fns}
-    for round in range(repeats + 1):
+    for round in range(-1 if warm_up else 0, rounds or repeats):
         for name, fn in fns.items():
             sync()
             t0 = time.perf_counter()
             fn()
             sync()
-            if round:  # round 0 warms up
+            if round >= 0:  # round -1 warms up
                 times[name].append(time.perf_counter() - t0)
     return {name: statistics.median(t) for name, t in times.items()}
 
@@ -237,17 +237,15 @@ def bench_decode(results):
     generate = {router: (lambda m: lambda cache: m.generate(prompt, new_tokens, temperature=0, use_cache=cache))(model)
                 for router, model in models.items()}
     cached = interleaved({router: (lambda g: lambda: g(True))(g) for router, g in generate.items()})
+    # recomputing is slow (half a minute a run on CPU): 3 rounds, no warm-up (the cached runs warmed the code)
+    recomputed = interleaved({router: (lambda g: lambda: g(False))(g) for router, g in generate.items()},
+                             rounds=min(repeats, 3), warm_up=False)
     speed = {}
     for router in models:
-        sync()  # recomputing is slow and steady: one timed run
-        t0 = time.perf_counter()
-        generate[router](False)
-        sync()
-        recomputed = time.perf_counter() - t0
         speed[router] = new_tokens / cached[router]
         results['decode'].append(dict(router=router, new_tokens=new_tokens, block_size=decode_block_size,
-                                      cached_tok_s=speed[router], recompute_tok_s=new_tokens / recomputed))
-        print(f"| {router} | {speed[router]:.1f} | {new_tokens / recomputed:.1f} | {recomputed / cached[router]:.1f}x |")
+                                      cached_tok_s=speed[router], recompute_tok_s=new_tokens / recomputed[router]))
+        print(f"| {router} | {speed[router]:.1f} | {new_tokens / recomputed[router]:.1f} | {recomputed[router] / cached[router]:.1f}x |")
     print(f"\nseqtopk / topk cached decode speed: {speed['seqtopk'] / speed['topk']:.3f}")
     print(f"\n### One cached decode step at a given context ({steps_at_context} steps timed; cache sizes at that context)\n")
     print("| context | topk ms/step | seqtopk ms/step | seqtopk / topk speed | KV cache | Expert Cache | Expert / KV |")
