@@ -2,6 +2,7 @@
 Benchmarks, measured side by side in one run and printed as Markdown tables.
 
     python bench.py                          # everything below, on CPU
+    python bench.py --what=route             # the routing alone: each router's selection, per call
     python bench.py --what=train             # training step time per router, default and larger model
     python bench.py --what=moe               # the MoE layer alone vs a dense FFN with the same active params
     python bench.py --what=decode            # long context: caches vs recompute, seqtopk vs topk
@@ -26,10 +27,11 @@ import torch.nn.functional as F
 from configurator import (Rule, apply_overrides, each, keep_freed_cpu_memory, non_negative_int, one_of,
                           positive_int, validate)
 from model import GPT, GPTConfig, Cache, MoE
-from router import ROUTERS
+from router import (ROUTERS, batchtopk_mask, online_seqtopk_mask, relu_gates, seqtopk_mask, threshold_mask,
+                    topk_mask)
 
 # -----------------------------------------------------------------------------
-what = 'all'              # all | train | moe | decode
+what = 'all'              # all | route | train | moe | decode
 device = 'cpu'
 dtype = 'float32'         # float32 | bfloat16 (autocast; the router stays fp32)
 compile = False           # torch.compile the model (train) and the layers (moe)
@@ -52,7 +54,7 @@ contexts = '64,512,960'   # contexts at which per-step decode speed is measured
 steps_at_context = 64     # decode steps timed at each context
 # -----------------------------------------------------------------------------
 # what each setting may be (configurator.py), checked before anything runs
-RULES = dict(what=one_of('all', 'train', 'moe', 'decode'), dtype=one_of('float32', 'bfloat16'),
+RULES = dict(what=one_of('all', 'route', 'train', 'moe', 'decode'), dtype=one_of('float32', 'bfloat16'),
              repeats=positive_int, seed=non_negative_int, train_steps=positive_int, moe_tokens=positive_int,
              moe_embd=positive_int, moe_exp_dim=positive_int, moe_n_exp=positive_int, moe_top_k=positive_int,
              decode_block_size=positive_int, new_tokens=positive_int, prompt_tokens=positive_int,
@@ -110,6 +112,29 @@ def build(router, shape, **kw):
 
 
 # -----------------------------------------------------------------------------
+def bench_route(results):
+    """The selection alone, scores -> mask, for one batch of 16x128 tokens: what each router adds to a
+    training or evaluation forward before any expert runs."""
+    print("\n### Routing: scores (16 x 128 tokens x N experts) -> mask, one call\n")
+    print("| experts | router (path) | µs / call | vs topk |")
+    print("| --- | --- | --- | --- |")
+    for n_exp, k in ((8, 2), (64, 8)):
+        logits = torch.randn(16, 128, n_exp, generator=torch.Generator().manual_seed(seed)).to(device)
+        scores = logits.softmax(-1)
+        paths = {'topk': lambda: topk_mask(scores, k),
+                 'seqtopk (training: offline)': lambda: seqtopk_mask(scores, k),
+                 'seqtopk (causal evaluation: online)': lambda: online_seqtopk_mask(scores, k),
+                 'batchtopk (training)': lambda: batchtopk_mask(scores, k),
+                 'batchtopk (evaluation: threshold)': lambda: threshold_mask(scores, 1 / n_exp),
+                 'relu': lambda: relu_gates(logits) > 0}
+        with torch.no_grad():
+            seconds = interleaved({name: (lambda fn: lambda: [fn() for _ in range(20)])(fn) for name, fn in paths.items()})
+        for name, s in seconds.items():
+            results['route'].append(dict(n_exp=n_exp, top_k=k, path=name, us_per_call=s / 20 * 1e6,
+                                         ratio_vs_topk=s / seconds['topk']))
+            print(f"| {n_exp}, top-{k} | {name} | {s / 20 * 1e6:.0f} | {s / seconds['topk']:.2f} |")
+
+
 def bench_train(results):
     """Training step time (forward + backward + AdamW) per router, at two model sizes."""
     print(f"\n### Training step (forward + backward + AdamW), {train_steps} steps per run\n")
@@ -269,9 +294,9 @@ def main():
     keep_freed_cpu_memory()
     name = torch.cuda.get_device_name(device) if device_type == 'cuda' else f'CPU, {torch.get_num_threads()} threads'
     results = dict(device=name, dtype=dtype, compile=compile, torch=torch.__version__,
-                   date=time.strftime('%Y-%m-%d'), train=[], moe=[], decode=[], decode_context=[])
+                   date=time.strftime('%Y-%m-%d'), route=[], train=[], moe=[], decode=[], decode_context=[])
     print(f"seqmoe bench on {name}, {dtype}, compile={compile}, torch {torch.__version__}, {results['date']}")
-    for section, fn in (('train', bench_train), ('moe', bench_moe), ('decode', bench_decode)):
+    for section, fn in (('route', bench_route), ('train', bench_train), ('moe', bench_moe), ('decode', bench_decode)):
         if what in ('all', section):
             fn(results)
     if json_out:

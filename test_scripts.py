@@ -132,7 +132,7 @@ def test_a_bad_setting_is_one_line_on_stderr_and_no_traceback(workdir):
 
 
 @pytest.mark.parametrize("script,arg,allowed", [
-    ('bench.py', '--what=speed', 'one of all, train, moe, decode'),
+    ('bench.py', '--what=speed', 'one of all, route, train, moe, decode'),
     ('bench.py', '--repeats=0', 'a positive integer'),
     ('bench.py', '--contexts=64,x', 'a comma-separated list, each item a positive integer'),
     ('bench.py', '--moe_top_k=65', 'at most --moe_n_exp=64'),
