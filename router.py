@@ -75,6 +75,17 @@ def seqtopk_mask(scores, k, min_k=1, max_k=None):
     return torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, order, chosen)  # (token, rank) -> expert
 
 
+def cached_at_least(past, candidates):
+    """For each new token's candidates (B, T, R): how many of the Expert Cache's (B, P, R) score at
+    least as high (int32), compared in chunks that bound the (B, chunk*R, P*R) comparison."""
+    B, T, R = candidates.shape
+    cached = past.reshape(B, 1, -1)
+    chunk = max(1, 2 ** 24 // max(1, B * R * cached.shape[-1]))
+    counts = [(cached >= candidates[:, t0:t0 + chunk].reshape(B, -1, 1)).sum(-1, dtype=torch.int32)
+              for t0 in range(0, T, chunk)]
+    return (counts[0] if len(counts) == 1 else torch.cat(counts, dim=1)).view(B, T, R)
+
+
 def online_seqtopk_mask(scores, k, min_k=1, max_k=None, past=None, spent=None, strict=False):
     # Eq. (7), online SeqTopK: token m takes expert i when (m, i) is among the top m*k entries of the
     # m x N score matrix of tokens 1..m (the Expert Cache, Eq. 6), within the per-token bounds.
@@ -98,10 +109,9 @@ def online_seqtopk_mask(scores, k, min_k=1, max_k=None, past=None, spent=None, s
     # before it: earlier tokens' scoring >= it (earlier tokens win ties, as in seqtopk_mask) and the
     # token's own better-ranked ones. `before` counts them, plus the candidate itself.
     if T == 1 and not strict:  # a decoding step, m = P + 1, in as few ops as it can: it runs per layer per token
-        cached = past.reshape(B, 1, P * R) if P else candidates.new_empty(B, 1, 0)
-        before = (cached >= candidates.reshape(B, R, 1)).sum(-1, dtype=torch.int32)  # cached ones >= each
+        before = cached_at_least(past, candidates) if P else torch.zeros_like(candidates, dtype=torch.int32)
         allowed = (P + 1) * (k - min_k) + min_k - 1 - rank[min_k:]  # minus its own, better-ranked or itself
-        counts = (before <= allowed).sum(dim=-1, keepdim=True) + min_k
+        counts = (before <= allowed).sum(dim=-1) + min_k
         mask = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, order, rank < counts.unsqueeze(-1))
         return mask, candidates, spent + counts[:, 0]
     # Sort the new candidates once in that order (a stable sort of the token-major flattening breaks
@@ -117,11 +127,8 @@ def online_seqtopk_mask(scores, k, min_k=1, max_k=None, past=None, spent=None, s
         t = torch.arange(t0, min(T, t0 + chunk), device=scores.device)
         running = (token_of[:, None, :] <= t[None, :, None]).cumsum(dim=-1, dtype=torch.int32)
         before[:, t0:t0 + chunk] = running.gather(-1, place[:, t0:t0 + chunk])
-    if P:  # the Expert Cache's tokens are all earlier: count their candidates scoring >= each one
-        cached = past.reshape(B, 1, 1, P * R)
-        chunk = max(1, 2 ** 24 // max(1, B * P * R * R))  # bounds the (B, chunk, R, P*R) comparison
-        for t0 in range(0, T, chunk):
-            before[:, t0:t0 + chunk] += (cached >= candidates[:, t0:t0 + chunk, :, None]).sum(-1, dtype=torch.int32)
+    if P:  # the Expert Cache's tokens are all earlier
+        before += cached_at_least(past, candidates)
     # taken: candidates with fewer than m*(k - min_k) before them (`before` counts the candidate too)
     position = torch.arange(P + 1, P + T + 1, device=scores.device)  # m, 1-based
     counts = (before <= (position * (k - min_k))[:, None]).sum(dim=-1) + min_k
