@@ -9,7 +9,8 @@ Benchmarks, measured side by side in one run and printed as Markdown tables.
     python bench.py --device=cuda --dtype=bfloat16 --compile=True --json_out=bench.json
 
 Models are randomly initialised (speed does not depend on training). Each figure is the median
-of `repeats` timed runs after a warm-up. Targets on CPU: seqtopk / topk training step time <= 1.03;
+of `repeats` timed runs after a warm-up (decoding: the total over all rounds, the routers and the
+cached and recomputing ways taking turns every 16 steps). Targets on CPU: seqtopk / topk training step time <= 1.03;
 MoE layer / dense FFN (fwd + bwd) <= 1.5 at 64 experts, top-8; long-context decoding with seqtopk at
 >= 0.95x topk's speed, and the KV + Expert Cache >= 10x faster than recomputing. On a GPU (bf16):
 MoE / dense <= 1.3 and seqtopk / topk step time <= 1.02.
@@ -230,60 +231,87 @@ def bench_moe(results):
 
 # -----------------------------------------------------------------------------
 @torch.inference_mode()
-def decode_step_seconds(models, context, steps):
-    """Per model, seconds per cached decode step after a prompt of `context` tokens (not timed), the
-    models taking turns step by step so that a drift in the machine's speed affects them alike; and
-    per model, its cache."""
-    prompt = torch.randint(0, LARGER['vocab_size'], (1, context), generator=torch.Generator().manual_seed(seed))
+def decode_in_turns(models, prompt, steps, recompute_every=1, block=16):
+    """Greedy decoding of `steps` tokens after `prompt` by every model, both ways GPT.generate can:
+    with a Cache (KV + Expert Cache), one new token a step, and recomputing the whole context (at
+    every `recompute_every`-th step). The models and ways take turns every `block` steps: cached
+    steps follow each other as in generation, and a drift in the machine's speed hits all alike.
+    Returns, per model, the seconds of each cached step (step 0 includes the prompt), the seconds
+    of each recompute, the Cache at the end, and the tokens."""
     caches = {name: Cache(model.config.n_layer) for name, model in models.items()}
-    tokens = {name: model(prompt.to(device), cache=caches[name])[0][:, -1:].argmax(-1) for name, model in models.items()}
-    seconds = dict.fromkeys(models, 0.0)
-    for _ in range(steps):
+    idx = dict.fromkeys(models, prompt)
+    cached, recomputed = {name: [] for name in models}, {name: [] for name in models}
+    for first in range(0, steps, block):
+        turn = range(first, min(steps, first + block))
         for name, model in models.items():
-            sync()
-            t0 = time.perf_counter()
-            tokens[name] = model(tokens[name], cache=caches[name])[0][:, -1:].argmax(-1)
-            sync()
-            seconds[name] += time.perf_counter() - t0
-    return {name: s / steps for name, s in seconds.items()}, caches
+            for step in turn:
+                sync()
+                t0 = time.perf_counter()
+                logits = model(idx[name] if step == 0 else idx[name][:, -1:], cache=caches[name])[0]
+                sync()
+                cached[name].append(time.perf_counter() - t0)
+                idx[name] = torch.cat([idx[name], logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+        for name, model in models.items():
+            for step in turn[::recompute_every] if first % recompute_every == 0 else ():
+                t0 = time.perf_counter()
+                model(idx[name][:, :prompt.shape[1] + step], causal=True)  # what generate(use_cache=False) runs
+                sync()
+                recomputed[name].append(time.perf_counter() - t0)
+    return cached, recomputed, caches, idx
 
 
 def bench_decode(results):
     """Long-context generation: the KV + Expert Cache against recomputing the context every step,
-    seqtopk against topk, then the cost of one cached step at a given context."""
+    seqtopk against topk, all four taking turns; then one step at a given context. Each figure is
+    the total over all rounds' steps; the per-round spread of seqtopk / topk shows the noise."""
     shape = dict(LARGER, block_size=decode_block_size)
-    prompt = torch.randint(0, shape['vocab_size'], (1, prompt_tokens), generator=torch.Generator().manual_seed(seed))
-    prompt = prompt.to(device)
+    gen = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, shape['vocab_size'], (1, prompt_tokens), generator=gen).to(device)
     models = {router: build(router, shape).eval() for router in ('topk', 'seqtopk')}
+    # decode_in_turns takes generate's steps: the same tokens as generate(temperature=0), checked here
+    tokens = decode_in_turns(models, prompt, 16)[3]  # (and a warm-up)
+    for router, model in models.items():
+        if not torch.equal(tokens[router], model.generate(prompt, 16, temperature=0)):
+            raise SystemExit(f"error: bench's decoding loop and generate() disagree for {router}")
+
+    def speed_ratio(runs, skip=0):  # seqtopk / topk cached speed: over all rounds, and each round's
+        total = {router: sum(sum(cached[router][skip:]) for cached, *_ in runs) for router in models}
+        rounds = [sum(cached['topk'][skip:]) / sum(cached['seqtopk'][skip:]) for cached, *_ in runs]
+        return total['topk'] / total['seqtopk'], f"{min(rounds):.2f}-{max(rounds):.2f}"
+
     print(f"\n### Decoding: {new_tokens} new tokens after a {prompt_tokens}-token prompt, larger model with a "
-          f"{decode_block_size}-token context (greedy, batch 1)\n")
+          f"{decode_block_size}-token context (greedy, batch 1; cached and recomputing steps taken in turns)\n")
     print("| router | KV + Expert Cache tok/s | full recompute tok/s | speed-up |")
     print("| --- | --- | --- | --- |")
-    generate = {router: (lambda m: lambda cache: m.generate(prompt, new_tokens, temperature=0, use_cache=cache))(model)
-                for router, model in models.items()}
-    cached = interleaved({router: (lambda g: lambda: g(True))(g) for router, g in generate.items()})
-    # recomputing is slow (half a minute a run on CPU): 3 rounds, no warm-up (the cached runs warmed the code)
-    recomputed = interleaved({router: (lambda g: lambda: g(False))(g) for router, g in generate.items()},
-                             rounds=min(repeats, 3), warm_up=False)
-    speed = {}
+    runs = [decode_in_turns(models, prompt, new_tokens) for _ in range(min(repeats, 3))]  # a minute a round on CPU
     for router in models:
-        speed[router] = new_tokens / cached[router]
+        cached = sum(sum(c[router]) for c, *_ in runs) / len(runs)
+        recomputed = sum(sum(r[router]) for _, r, *_ in runs) / len(runs)
         results['decode'].append(dict(router=router, new_tokens=new_tokens, block_size=decode_block_size,
-                                      cached_tok_s=speed[router], recompute_tok_s=new_tokens / recomputed[router]))
-        print(f"| {router} | {speed[router]:.1f} | {new_tokens / recomputed[router]:.1f} | {recomputed[router] / cached[router]:.1f}x |")
-    print(f"\nseqtopk / topk cached decode speed: {speed['seqtopk'] / speed['topk']:.3f}")
-    print(f"\n### One cached decode step at a given context ({steps_at_context} steps timed; cache sizes at that context)\n")
-    print("| context | topk ms/step | seqtopk ms/step | seqtopk / topk speed | KV cache | Expert Cache | Expert / KV |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+                                      cached_tok_s=new_tokens / cached, recompute_tok_s=new_tokens / recomputed))
+        print(f"| {router} | {new_tokens / cached:.1f} | {new_tokens / recomputed:.1f} | {recomputed / cached:.1f}x |")
+    ratio, spread = speed_ratio(runs)
+    print(f"\nseqtopk / topk cached decode speed: {ratio:.3f} (rounds: {spread})")
+    print(f"\n### One decode step at a given context ({steps_at_context} cached steps and "
+          f"{steps_at_context // 8 + 1} full recomputes, one every 8 steps, in each of {repeats} rounds)\n")
+    print("| context | topk cached ms | seqtopk cached ms | seqtopk / topk speed (rounds) | topk recompute ms "
+          "| seqtopk recompute ms | cache speed-up (topk, seqtopk) | KV cache | Expert Cache |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for context in (int(c) for c in contexts.split(',')):
-        runs = [decode_step_seconds(models, context, steps_at_context) for _ in range(repeats + 1)][1:]
-        step = {router: statistics.median(seconds[router] for seconds, _ in runs) for router in models}
-        cache = runs[-1][1]['seqtopk']
-        kv, expert = cache.nbytes('kv'), cache.nbytes('expert')
+        prompt = torch.randint(0, shape['vocab_size'], (1, context), generator=gen).to(device)
+        runs = [decode_in_turns(models, prompt, steps_at_context + 1, recompute_every=8) for _ in range(repeats + 1)][1:]
+        step = {router: statistics.mean(s for c, *_ in runs for s in c[router][1:]) for router in models}  # not the prompt
+        again = {router: statistics.mean(s for _, r, *_ in runs for s in r[router]) for router in models}
+        ratio, spread = speed_ratio(runs, skip=1)
+        kv, expert = runs[-1][2]['seqtopk'].nbytes('kv'), runs[-1][2]['seqtopk'].nbytes('expert')
         results['decode_context'].append(dict(context=context, topk_ms=step['topk'] * 1e3, seqtopk_ms=step['seqtopk'] * 1e3,
+                                              topk_recompute_ms=again['topk'] * 1e3,
+                                              seqtopk_recompute_ms=again['seqtopk'] * 1e3,
                                               kv_cache_bytes=kv, expert_cache_bytes=expert))
-        print(f"| {context} | {step['topk'] * 1e3:.2f} | {step['seqtopk'] * 1e3:.2f} | {step['topk'] / step['seqtopk']:.3f} "
-              f"| {kv / 2**20:.2f} MiB | {expert / 2**10:.1f} KiB | {expert / kv:.2%} |")
+        print(f"| {context} | {step['topk'] * 1e3:.2f} | {step['seqtopk'] * 1e3:.2f} | {ratio:.3f} ({spread}) "
+              f"| {again['topk'] * 1e3:.1f} | {again['seqtopk'] * 1e3:.1f} | {again['topk'] / step['topk']:.1f}x, "
+              f"{again['seqtopk'] / step['seqtopk']:.1f}x | {kv / 2**20:.2f} MiB | {expert / 2**10:.1f} KiB "
+              f"({expert / kv:.2%} of KV) |")
 
 
 def main():

@@ -139,11 +139,10 @@ class MLP(nn.Module):
 # The expert matmuls, as two custom ops: torch.compile traces through them (their fake kernels give
 # the output shapes), so the model compiles to one graph, and in eager mode each picks its kernel.
 
-def grouped_kernel_ok(kernel, n_exp, rows, *mats):
+def grouped_kernel_ok(kernel, *mats):
     """Whether to run torch._grouped_mm: it takes any float dtype on CPU, bf16 on CUDA, and 16-byte
-    aligned rows (or columns, for a transposed operand). On CPU, with fewer rows than experts
-    (decoding), the kernel's matmul for every expert costs more than grouped_mm's batched matmul."""
-    return kernel and hasattr(torch, '_grouped_mm') and (mats[0].device.type != 'cpu' or rows >= n_exp) and all(
+    aligned rows (or columns, for a transposed operand)."""
+    return kernel and hasattr(torch, '_grouped_mm') and all(
         (m.device.type == 'cpu' or m.dtype == torch.bfloat16) and min(m.stride()[-2:]) == 1
         and max(m.stride()[-2:]) * m.element_size() % 16 == 0 for m in mats)
 
@@ -156,12 +155,8 @@ def expert_groups(offs):
 
 def expert_matmul(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, kernel: bool) -> torch.Tensor:
     """Each expert's rows of x times its matrix: x (P, C) grouped by expert, w (N, C, H) -> (P, H)."""
-    if grouped_kernel_ok(kernel, w.shape[0], x.shape[0], x, w):
+    if grouped_kernel_ok(kernel, x, w):
         return torch._grouped_mm(x, w, offs=offs)
-    if kernel and x.shape[0] < w.shape[0]:  # fewer rows than experts (decoding): one batched matmul, each row
-        # with a copy of its expert's matrix, no sync; on CPU it is 2-3x faster than a cold matmul per expert
-        expert = torch.searchsorted(offs, torch.arange(x.shape[0], dtype=offs.dtype, device=x.device), right=True)
-        return torch.bmm(x.unsqueeze(1), w.index_select(0, expert)).squeeze(1)
     out = x.new_empty(x.shape[0], w.shape[2])
     for e, start, end in expert_groups(offs):  # one matmul per expert with tokens
         torch.mm(x[start:end], w[e], out=out[start:end])
@@ -174,7 +169,7 @@ grouped_mm = torch.library.custom_op('seqmoe::grouped_mm', expert_matmul, mutate
 @torch.library.custom_op('seqmoe::grouped_mm_weight_grad', mutates_args=())
 def grouped_mm_weight_grad(x: torch.Tensor, grad: torch.Tensor, offs: torch.Tensor, kernel: bool) -> torch.Tensor:
     """The gradient of grouped_mm's w: each expert's x rows, transposed, times its grad rows -> (N, C, H)."""
-    if grouped_kernel_ok(kernel, offs.shape[0], x.shape[0], x.t(), grad):
+    if grouped_kernel_ok(kernel, x.t(), grad):
         return torch._grouped_mm(x.t(), grad, offs=offs)
     out = x.new_zeros(offs.shape[0], x.shape[1], grad.shape[1])  # experts without tokens get zeros
     for e, start, end in expert_groups(offs):
@@ -217,22 +212,27 @@ def dispatch(x, mask, weights, w_fc, w_proj, n_pairs=None, kernel=True):
     n_pairs: how many (token, expert) pairs the mask selects, when the router knows it in advance
     (topk, offline seqtopk, batchtopk in training: M * top_k). Then every shape is fixed and nothing
     waits on the device; None (relu, batchtopk's threshold, online seqtopk) finds them: one host sync.
-    kernel: use torch._grouped_mm where it can run, else one matmul per expert.
+    kernel: use torch._grouped_mm where it can run (in inference with fewer pairs than experts, as in
+    decoding, one batched matmul over the pairs' gathered expert matrices), else one matmul per expert.
     """
     M, N = mask.shape
     selected = mask.t().reshape(-1)  # expert-major: expert 0's tokens first, then expert 1's, ...
     if n_pairs is None:  # a size known only on the host: that sync is unavoidable, and nonzero is it in one op
         pair = selected.nonzero().squeeze(1)
-    else:  # a selected pair's place in that order is a running count (no sync, no data-dependent shape);
-        # every unselected entry goes to one spare slot past the end, which is dropped
-        place = torch.where(selected, selected.cumsum(0) - 1, n_pairs)
-        pair = torch.empty(n_pairs + 1, dtype=torch.long, device=x.device)
-        pair = pair.scatter_(0, place, torch.arange(N * M, device=x.device))[:n_pairs]
+    else:  # the same pairs in a tensor of a size given in advance: no sync, no data-dependent shape
+        pair = torch.nonzero_static(selected, size=n_pairs).squeeze(1)
     token_idx = pair % M
-    offs = mask.sum(0).cumsum(0).to(torch.int32)  # where each expert's group of rows ends
     gate = weights.t().reshape(-1).index_select(0, pair)
-    # the custom op is for autograd and compile; eager inference (decoding) skips its dispatch cost
-    mm = grouped_mm if torch.is_grad_enabled() or torch.compiler.is_compiling() else expert_matmul
+    inference = not torch.is_grad_enabled() and not torch.compiler.is_compiling()
+    if inference and kernel and pair.shape[0] < N:  # fewer pairs than experts (decoding): each pair's
+        # expert matrices gathered and one batched matmul; on CPU 2x faster than a matmul per expert
+        expert = pair // M
+        h = F.gelu(torch.bmm(x.index_select(0, token_idx).unsqueeze(1), w_fc.index_select(0, expert)))
+        y = torch.bmm(h * gate[:, None, None], w_proj.index_select(0, expert)).squeeze(1)
+        return torch.zeros_like(x).index_add_(0, token_idx, y)
+    offs = mask.sum(0).cumsum(0).to(torch.int32)  # where each expert's group of rows ends
+    # the custom op is for autograd and compile; eager inference skips its dispatch cost
+    mm = expert_matmul if inference else grouped_mm
     h = F.gelu(mm(x.index_select(0, token_idx), w_fc, offs, kernel))
     y = mm(h * gate.unsqueeze(-1), w_proj, offs, kernel)  # scale the narrower h, not y
     return torch.zeros_like(x).index_add_(0, token_idx, y)

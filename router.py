@@ -103,17 +103,20 @@ def online_seqtopk_mask(scores, k, min_k=1, max_k=None, past=None, spent=None, s
     P = 0 if past is None else past.shape[1]
     spent = torch.zeros(B, dtype=torch.long, device=scores.device) if spent is None else spent
     ranked, order = scores.topk(max_k, dim=-1)  # each token's top max_k, ranked as seqtopk_mask ranks them
-    candidates = ranked[..., min_k:]                                        # (B, T, R)
-    rank = torch.arange(max_k, device=scores.device)
+    candidates = ranked.narrow(-1, min_k, R)                                # (B, T, R)
     # A candidate of token m is taken iff fewer than m*(k - min_k) candidates of tokens 1..m come
     # before it: earlier tokens' scoring >= it (earlier tokens win ties, as in seqtopk_mask) and the
     # token's own better-ranked ones. `before` counts them, plus the candidate itself.
     if T == 1 and not strict:  # a decoding step, m = P + 1, in as few ops as it can: it runs per layer per token
-        before = cached_at_least(past, candidates) if P else torch.zeros_like(candidates, dtype=torch.int32)
-        allowed = (P + 1) * (k - min_k) + min_k - 1 - rank[min_k:]  # minus its own, better-ranked or itself
-        counts = (before <= allowed).sum(dim=-1) + min_k
-        mask = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, order, rank < counts.unsqueeze(-1))
-        return mask, candidates, spent + counts[:, 0]
+        # the candidate of rank j is taken iff at most m*(k - min_k) - 1 - (j - min_k) cached candidates score
+        # at least as high (its own better-ranked ones come before it too); a rank below min_k always is (P*R
+        # cached ones at most). Both sides move monotonically with j, so the taken ranks are a prefix.
+        most = (P + 1) * (k - min_k) - 1 + min_k
+        allowed = torch.tensor([P * R] * min_k + list(range(most - min_k, most - max_k, -1)), device=scores.device)
+        cached = past.reshape(B, 1, -1) if P else scores.new_empty(B, 1, 0)
+        taken = (cached >= ranked.reshape(B, max_k, 1)).sum(-1) <= allowed  # (B, max_k)
+        mask = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, order, taken.view(B, 1, max_k))
+        return mask, candidates, spent + taken.sum(-1)
     # Sort the new candidates once in that order (a stable sort of the token-major flattening breaks
     # ties by token, then rank): those before a candidate of token m are then a running count of the
     # ones of tokens <= m, linear in T per token instead of comparing every pair.
@@ -138,6 +141,7 @@ def online_seqtopk_mask(scores, k, min_k=1, max_k=None, past=None, spent=None, s
         capped = total + slack[:, 1:]
         counts = capped - torch.cat([spent[:, None], capped[:, :-1]], dim=1)
     # a token takes its experts of rank < its count
+    rank = torch.arange(max_k, device=scores.device)
     mask = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, order, rank < counts.unsqueeze(-1))
     return mask, candidates, spent + counts.sum(dim=1)
 

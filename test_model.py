@@ -58,6 +58,19 @@ def test_an_expert_width_the_grouped_kernel_cannot_take_falls_back_to_a_matmul_p
                                rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("n_pairs", [None, 3])
+def test_a_decoding_step_dispatch_with_fewer_pairs_than_experts_equals_the_reference(n_pairs):
+    g = torch.Generator().manual_seed(2)
+    M, C, H, N = 2, 16, 12, 8  # two tokens, 3 pairs < 8 experts: the gathered batched matmul
+    mask = torch.zeros(M, N, dtype=torch.bool)
+    mask[0, [1, 6]] = mask[1, 6] = True
+    weights = torch.rand(M, N, generator=g) * mask
+    x, w_fc, w_proj = torch.randn(M, C, generator=g), torch.randn(N, C, H, generator=g), torch.randn(N, H, C, generator=g)
+    with torch.inference_mode():
+        out = dispatch(x, mask, weights, w_fc, w_proj, n_pairs=n_pairs)
+    torch.testing.assert_close(out, naive_moe(x, mask, weights, w_fc, w_proj), rtol=1e-4, atol=1e-5)
+
+
 def train_step(model, x, y):
     """Loss and gradients of one training step (forward + backward)."""
     model.zero_grad()
@@ -94,8 +107,8 @@ def test_a_training_step_of_the_exact_budgets_never_waits_on_a_data_dependent_si
         train_step(model, x, y)
     def caller(event):
         return event.cpu_parent.name if event.cpu_parent is not None else None
-    # no nonzero, no .item() or int() (the CPU grouped kernel reads its offsets itself; CUDA's does
-    # that on the device): on a GPU the step never stops to wait for the host
+    # no nonzero (nonzero_static, given the size, never asks), no .item() or int() (the CPU grouped kernel
+    # reads its offsets itself; CUDA's does that on the device): on a GPU the step never waits for the host
     host_reads = [e.name for e in prof.events() if e.name in ('aten::nonzero', 'aten::item', 'aten::tolist')
                   and caller(e) != 'aten::_grouped_mm']
     assert host_reads == []
