@@ -112,7 +112,8 @@ def online_seqtopk_mask(scores, k, min_k=1, max_k=None, past=None, spent=None, s
         # at least as high (its own better-ranked ones come before it too); a rank below min_k always is (P*R
         # cached ones at most). Both sides move monotonically with j, so the taken ranks are a prefix.
         most = (P + 1) * (k - min_k) - 1 + min_k
-        allowed = torch.tensor([P * R] * min_k + list(range(most - min_k, most - max_k, -1)), device=scores.device)
+        allowed = torch.arange(most, most - max_k, -1, device=scores.device)  # made on the device: no copy
+        allowed.narrow(0, 0, min_k).fill_(P * R)
         cached = past.reshape(B, 1, -1) if P else scores.new_empty(B, 1, 0)
         taken = (cached >= ranked.reshape(B, max_k, 1)).sum(-1) <= allowed  # (B, max_k)
         mask = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, order, taken.view(B, 1, max_k))
