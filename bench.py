@@ -10,9 +10,10 @@ Benchmarks, measured side by side in one run and printed as Markdown tables.
 
 Models are randomly initialised (speed does not depend on training). Each figure is the median
 of `repeats` timed runs after a warm-up (decoding: the total over all rounds, the routers and the
-cached and recomputing ways taking turns every 16 steps). Targets on CPU: seqtopk / topk training step time <= 1.03;
-MoE layer / dense FFN (fwd + bwd) <= 1.5 at 64 experts, top-8; long-context decoding with seqtopk at
->= 0.95x topk's speed, and the KV + Expert Cache >= 10x faster than recomputing. On a GPU (bf16):
+cached and recomputing ways taking turns every 16 steps). Targets on CPU: seqtopk / topk training
+step time <= 1.03; MoE layer / dense FFN (fwd + bwd) <= 1.5 at 64 experts, top-8; long-context
+decoding with seqtopk at >= 0.95x topk's speed, and the KV + Expert Cache >= 10x faster than
+recomputing. On a GPU (bf16):
 MoE / dense <= 1.3 and seqtopk / topk step time <= 1.02.
 """
 import json
@@ -83,11 +84,11 @@ def sync():
         torch.cuda.synchronize()
 
 
-def interleaved(fns, rounds=None, warm_up=True):
-    """Median seconds of each fn over `rounds` (default `repeats`) rounds after a warm-up round, the
-    fns taking turns in every round, so that a drift in the machine's speed affects them alike."""
+def interleaved(fns):
+    """Median seconds of each fn over `repeats` rounds after a warm-up round, the fns taking turns in
+    every round, so that a drift in the machine's speed affects them alike."""
     times = {name: [] for name in fns}
-    for round in range(-1 if warm_up else 0, rounds or repeats):
+    for round in range(-1, repeats):
         for name, fn in fns.items():
             sync()
             t0 = time.perf_counter()
@@ -252,7 +253,7 @@ def decode_in_turns(models, prompt, steps, recompute_every=1, block=16):
                 cached[name].append(time.perf_counter() - t0)
                 idx[name] = torch.cat([idx[name], logits[:, -1].argmax(-1, keepdim=True)], dim=1)
         for name, model in models.items():
-            for step in turn[::recompute_every] if first % recompute_every == 0 else ():
+            for step in (step for step in turn if step % recompute_every == 0):
                 t0 = time.perf_counter()
                 model(idx[name][:, :prompt.shape[1] + step], causal=True)  # what generate(use_cache=False) runs
                 sync()

@@ -76,8 +76,9 @@ def seqtopk_mask(scores, k, min_k=1, max_k=None):
 
 
 def cached_at_least(past, candidates):
-    """For each new token's candidates (B, T, R): how many of the Expert Cache's (B, P, R) score at
-    least as high (int32), compared in chunks that bound the (B, chunk*R, P*R) comparison."""
+    """For each new token's scores (B, T, R) -- its candidates, or in a decoding step all its ranked
+    scores: how many of the Expert Cache's (B, P, max_k - min_k) score at least as high (int32),
+    compared in chunks that bound the (B, chunk*R, P*(max_k - min_k)) comparison."""
     B, T, R = candidates.shape
     cached = past.reshape(B, 1, -1)
     chunk = max(1, 2 ** 24 // max(1, B * R * cached.shape[-1]))
@@ -114,8 +115,8 @@ def online_seqtopk_mask(scores, k, min_k=1, max_k=None, past=None, spent=None, s
         most = (P + 1) * (k - min_k) - 1 + min_k
         allowed = torch.arange(most, most - max_k, -1, device=scores.device)  # made on the device: no copy
         allowed.narrow(0, 0, min_k).fill_(P * R)
-        cached = past.reshape(B, 1, -1) if P else scores.new_empty(B, 1, 0)
-        taken = (cached >= ranked.reshape(B, max_k, 1)).sum(-1) <= allowed  # (B, max_k)
+        before = cached_at_least(past if P else scores.new_empty(B, 0, R), ranked)  # (B, 1, max_k)
+        taken = before.view(B, max_k) <= allowed
         mask = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, order, taken.view(B, 1, max_k))
         return mask, candidates, spent + taken.sum(-1)
     # Sort the new candidates once in that order (a stable sort of the token-major flattening breaks
