@@ -8,9 +8,11 @@ Benchmarks, measured side by side in one run and printed as Markdown tables.
     python bench.py --what=decode            # long context: caches vs recompute, seqtopk vs topk
     python bench.py --device=cuda --dtype=bfloat16 --compile=True --json_out=bench.json
 
-Models are randomly initialised (speed does not depend on training). Each figure is the median
-of `repeats` timed runs after a warm-up (decoding: the total over all rounds, the routers and the
-cached and recomputing ways taking turns every 16 steps). Targets on CPU: seqtopk / topk training
+Models are randomly initialised (speed does not depend on training). Each time is the median of
+`repeats` timed rounds after a warm-up round (`moe_repeats` for the MoE layer), the variants taking
+turns in each round; each ratio is the median of the per-round ratios, printed with their middle
+half, so a drift between rounds moves neither and the noise is in plain view (decoding: totals over
+all rounds, the routers and the cached and recomputing ways taking turns every 16 steps). Targets on CPU: seqtopk / topk training
 step time <= 1.03; MoE layer / dense FFN (fwd + bwd) <= 1.5 at 64 experts, top-8; long-context
 decoding with seqtopk at >= 0.95x topk's speed, and the KV + Expert Cache >= 10x faster than
 recomputing. On a GPU (bf16):
@@ -48,6 +50,7 @@ moe_embd = 256
 moe_exp_dim = 128
 moe_n_exp = 64
 moe_top_k = 8
+moe_repeats = 21          # the layers take about a second a round: more rounds settle their ratios
 # decode: the larger model with a 1024-token context (character vocabulary)
 decode_block_size = 1024
 new_tokens = 512          # tokens generated for the cached-vs-recompute comparison
@@ -57,7 +60,7 @@ steps_at_context = 64     # decode steps timed at each context
 # -----------------------------------------------------------------------------
 # what each setting may be (configurator.py), checked before anything runs
 RULES = dict(what=one_of('all', 'route', 'train', 'moe', 'decode'), dtype=one_of('float32', 'bfloat16'),
-             repeats=positive_int, seed=non_negative_int, train_steps=positive_int, moe_tokens=positive_int,
+             repeats=positive_int, moe_repeats=positive_int, seed=non_negative_int, train_steps=positive_int, moe_tokens=positive_int,
              moe_embd=positive_int, moe_exp_dim=positive_int, moe_n_exp=positive_int, moe_top_k=positive_int,
              decode_block_size=positive_int, new_tokens=positive_int, prompt_tokens=positive_int,
              contexts=each(positive_int, int),
@@ -84,11 +87,11 @@ def sync():
         torch.cuda.synchronize()
 
 
-def interleaved(fns):
-    """Median seconds of each fn over `repeats` rounds after a warm-up round, the fns taking turns in
-    every round, so that a drift in the machine's speed affects them alike."""
+def interleaved(fns, rounds=None):
+    """Seconds of each fn in each of `rounds` (default `repeats`) rounds after a warm-up round, the
+    fns taking turns in every round, so that a drift in the machine's speed affects them alike."""
     times = {name: [] for name in fns}
-    for round in range(-1, repeats):
+    for round in range(-1, rounds or repeats):
         for name, fn in fns.items():
             sync()
             t0 = time.perf_counter()
@@ -96,7 +99,15 @@ def interleaved(fns):
             sync()
             if round >= 0:  # round -1 warms up
                 times[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(t) for name, t in times.items()}
+    return times
+
+
+def ratio_in_rounds(times, name, base):
+    """name's time over base's, round by round (each pair measured back to back): the median and the
+    middle half of those ratios, a ratio that a drift between rounds does not move, and its noise."""
+    ratios = [t / b for t, b in zip(times[name], times[base])]
+    low, _, high = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
+    return statistics.median(ratios), f"{low:.2f}-{high:.2f}"
 
 
 def peak_memory(fn):
@@ -130,17 +141,18 @@ def bench_route(results):
                  'batchtopk (evaluation: threshold)': lambda: threshold_mask(scores, 1 / n_exp),
                  'relu': lambda: relu_gates(logits) > 0}
         with torch.no_grad():
-            seconds = interleaved({name: (lambda fn: lambda: [fn() for _ in range(20)])(fn) for name, fn in paths.items()})
-        for name, s in seconds.items():
-            results['route'].append(dict(n_exp=n_exp, top_k=k, path=name, us_per_call=s / 20 * 1e6,
-                                         ratio_vs_topk=s / seconds['topk']))
-            print(f"| {n_exp}, top-{k} | {name} | {s / 20 * 1e6:.0f} | {s / seconds['topk']:.2f} |")
+            times = interleaved({name: (lambda fn: lambda: [fn() for _ in range(20)])(fn) for name, fn in paths.items()})
+        for name, t in times.items():
+            ratio, _ = ratio_in_rounds(times, name, 'topk')
+            results['route'].append(dict(n_exp=n_exp, top_k=k, path=name, us_per_call=statistics.median(t) / 20 * 1e6,
+                                         ratio_vs_topk=ratio))
+            print(f"| {n_exp}, top-{k} | {name} | {statistics.median(t) / 20 * 1e6:.0f} | {ratio:.2f} |")
 
 
 def bench_train(results):
     """Training step time (forward + backward + AdamW) per router, at two model sizes."""
     print(f"\n### Training step (forward + backward + AdamW), {train_steps} steps per run\n")
-    print("| model | batch | router | ms / step | vs topk | peak memory | MFU (active params) |")
+    print("| model | batch | router | ms / step | vs topk (middle half of rounds) | peak memory | MFU (active params) |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     peak_flops = 989e12 if device_type == 'cuda' else None  # H100/H200 dense bf16; MFU only on GPU
     for name, shape, batch in (('default', DEFAULT, 16), ('larger', LARGER, 16)):
@@ -162,7 +174,8 @@ def bench_train(results):
                     opt.step()
                     opt.zero_grad(set_to_none=True)
             runs[router] = run
-        seconds = {router: s / train_steps for router, s in interleaved(runs).items()}
+        times = interleaved(runs)
+        seconds = {router: statistics.median(t) / train_steps for router, t in times.items()}
         for router, model in models.items():
             memory = peak_memory(runs[router])
             mfu = None
@@ -170,11 +183,11 @@ def bench_train(results):
                 cfg = model.config
                 flops_per_token = 6 * model.num_params(active=True) + 12 * cfg.n_layer * cfg.n_embd * T
                 mfu = flops_per_token * batch * T / seconds[router] / peak_flops
-            ratio = seconds[router] / seconds['topk']
+            ratio, spread = ratio_in_rounds(times, router, 'topk')
             results['train'].append(dict(model=name, batch=batch, router=router, ms_per_step=seconds[router] * 1e3,
-                                         ratio_vs_topk=ratio, peak_memory_bytes=memory, mfu=mfu))
+                                         ratio_vs_topk=ratio, ratio_middle_half=spread, peak_memory_bytes=memory, mfu=mfu))
             print(f"| {name} ({model.num_params() / 1e6:.1f}M, {model.num_params(active=True) / 1e6:.1f}M active) "
-                  f"| {batch}x{T} | {router} | {seconds[router] * 1e3:.1f} | {ratio:.3f} | "
+                  f"| {batch}x{T} | {router} | {seconds[router] * 1e3:.1f} | {ratio:.3f} ({spread}) | "
                   f"{'n/a' if memory is None else f'{memory / 2**20:.0f} MiB'} | "
                   f"{'n/a' if mfu is None else f'{mfu:.1%}'} |")
 
@@ -197,7 +210,7 @@ def bench_moe(results):
     C, H, N, k = moe_embd, moe_exp_dim, moe_n_exp, moe_top_k
     print(f"\n### MoE layer vs dense FFN: {moe_tokens} tokens x {C}, {N} experts of width {H}, top-{k} "
           f"(dense FFN width {k * H}), forward + backward\n")
-    print("| layer | ms | vs dense |")
+    print("| layer | ms | vs dense (middle half of rounds) |")
     print("| --- | --- | --- |")
     torch.manual_seed(seed)
     x = torch.randn(1, moe_tokens, C, device=device, requires_grad=True)
@@ -223,11 +236,12 @@ def bench_moe(results):
                 out = fn(x)
             out.float().square().mean().backward()
         runs[name] = run
-    seconds = interleaved(runs)
-    for name in layers:
-        ratio = seconds[name] / seconds['dense FFN']
-        results['moe'].append(dict(layer=name, ms=seconds[name] * 1e3, ratio_vs_dense=ratio))
-        print(f"| {name} | {seconds[name] * 1e3:.2f} | {ratio:.2f} |")
+    times = interleaved(runs, moe_repeats)
+    for name, t in times.items():
+        ratio, spread = ratio_in_rounds(times, name, 'dense FFN')
+        results['moe'].append(dict(layer=name, ms=statistics.median(t) * 1e3, ratio_vs_dense=ratio,
+                                   ratio_middle_half=spread))
+        print(f"| {name} | {statistics.median(t) * 1e3:.2f} | {ratio:.2f} ({spread}) |")
 
 
 # -----------------------------------------------------------------------------

@@ -10,7 +10,8 @@ import sys
 import torch
 
 import checkpoint as ckpt_io
-from configurator import apply_overrides, device_name, non_empty, non_negative, non_negative_int, one_of, positive_int, validate
+from configurator import (apply_overrides, device_name, keep_freed_cpu_memory, non_empty, non_negative, non_negative_int,
+                          one_of, positive_int, validate)
 from model import GPT, GPTConfig
 from prepare import get_codec
 
@@ -78,6 +79,7 @@ if __name__ == '__main__':
     if device.startswith('cuda') and not torch.cuda.is_available() or device == 'mps' and not torch.backends.mps.is_available():
         fail(f"--device={device} is not available on this machine; use --device=cpu")
     torch.manual_seed(seed)
+    keep_freed_cpu_memory()  # as train.py and bench.py: large CPU tensors reuse freed memory
     model, meta = load_model(out_dir, device)
     encode, decode = get_codec(meta)
     if start.startswith('FILE:'):
