@@ -12,10 +12,10 @@ Models are randomly initialised (speed does not depend on training). Each time i
 `repeats` timed rounds after a warm-up round (`moe_repeats` for the MoE layer), the variants taking
 turns in each round; each ratio is the median of the per-round ratios, printed with their middle
 half, so a drift between rounds moves neither and the noise is in plain view (decoding: totals over
-all rounds, the routers and the cached and recomputing ways taking turns every 16 steps). Targets on CPU: seqtopk / topk training
-step time <= 1.03; MoE layer / dense FFN (fwd + bwd) <= 1.5 at 64 experts, top-8; long-context
-decoding with seqtopk at >= 0.95x topk's speed, and the KV + Expert Cache >= 10x faster than
-recomputing. On a GPU (bf16):
+all rounds, the routers and the cached and recomputing ways taking turns every 16 steps). Targets
+on CPU: seqtopk / topk training step time <= 1.03; MoE layer / dense FFN (fwd + bwd) <= 1.5 at 64
+experts, top-8; long-context decoding with seqtopk at >= 0.95x topk's speed, and the KV + Expert
+Cache >= 10x faster than recomputing. On a GPU (bf16):
 MoE / dense <= 1.3 and seqtopk / topk step time <= 1.02.
 """
 import json
@@ -60,9 +60,9 @@ steps_at_context = 64     # decode steps timed at each context
 # -----------------------------------------------------------------------------
 # what each setting may be (configurator.py), checked before anything runs
 RULES = dict(what=one_of('all', 'route', 'train', 'moe', 'decode'), dtype=one_of('float32', 'bfloat16'),
-             repeats=positive_int, moe_repeats=positive_int, seed=non_negative_int, train_steps=positive_int, moe_tokens=positive_int,
-             moe_embd=positive_int, moe_exp_dim=positive_int, moe_n_exp=positive_int, moe_top_k=positive_int,
-             decode_block_size=positive_int, new_tokens=positive_int, prompt_tokens=positive_int,
+             repeats=positive_int, moe_repeats=positive_int, seed=non_negative_int, train_steps=positive_int,
+             moe_tokens=positive_int, moe_embd=positive_int, moe_exp_dim=positive_int, moe_n_exp=positive_int,
+             moe_top_k=positive_int, decode_block_size=positive_int, new_tokens=positive_int, prompt_tokens=positive_int,
              contexts=each(positive_int, int),
              steps_at_context=positive_int,
              device=Rule(lambda v: re.fullmatch(r'cpu|cuda(:\d+)?', v) is not None, 'cpu, cuda or cuda:N'))
@@ -143,10 +143,9 @@ def bench_route(results):
         with torch.no_grad():
             times = interleaved({name: (lambda fn: lambda: [fn() for _ in range(20)])(fn) for name, fn in paths.items()})
         for name, t in times.items():
-            ratio, _ = ratio_in_rounds(times, name, 'topk')
-            results['route'].append(dict(n_exp=n_exp, top_k=k, path=name, us_per_call=statistics.median(t) / 20 * 1e6,
-                                         ratio_vs_topk=ratio))
-            print(f"| {n_exp}, top-{k} | {name} | {statistics.median(t) / 20 * 1e6:.0f} | {ratio:.2f} |")
+            us, (ratio, _) = statistics.median(t) / 20 * 1e6, ratio_in_rounds(times, name, 'topk')
+            results['route'].append(dict(n_exp=n_exp, top_k=k, path=name, us_per_call=us, ratio_vs_topk=ratio))
+            print(f"| {n_exp}, top-{k} | {name} | {us:.0f} | {ratio:.2f} |")
 
 
 def bench_train(results):
@@ -185,7 +184,8 @@ def bench_train(results):
                 mfu = flops_per_token * batch * T / seconds[router] / peak_flops
             ratio, spread = ratio_in_rounds(times, router, 'topk')
             results['train'].append(dict(model=name, batch=batch, router=router, ms_per_step=seconds[router] * 1e3,
-                                         ratio_vs_topk=ratio, ratio_middle_half=spread, peak_memory_bytes=memory, mfu=mfu))
+                                         ratio_vs_topk=ratio, ratio_middle_half=spread, peak_memory_bytes=memory,
+                                         mfu=mfu))
             print(f"| {name} ({model.num_params() / 1e6:.1f}M, {model.num_params(active=True) / 1e6:.1f}M active) "
                   f"| {batch}x{T} | {router} | {seconds[router] * 1e3:.1f} | {ratio:.3f} ({spread}) | "
                   f"{'n/a' if memory is None else f'{memory / 2**20:.0f} MiB'} | "
@@ -238,10 +238,9 @@ def bench_moe(results):
         runs[name] = run
     times = interleaved(runs, moe_repeats)
     for name, t in times.items():
-        ratio, spread = ratio_in_rounds(times, name, 'dense FFN')
-        results['moe'].append(dict(layer=name, ms=statistics.median(t) * 1e3, ratio_vs_dense=ratio,
-                                   ratio_middle_half=spread))
-        print(f"| {name} | {statistics.median(t) * 1e3:.2f} | {ratio:.2f} ({spread}) |")
+        ms, (ratio, spread) = statistics.median(t) * 1e3, ratio_in_rounds(times, name, 'dense FFN')
+        results['moe'].append(dict(layer=name, ms=ms, ratio_vs_dense=ratio, ratio_middle_half=spread))
+        print(f"| {name} | {ms:.2f} | {ratio:.2f} ({spread}) |")
 
 
 # -----------------------------------------------------------------------------
