@@ -140,11 +140,13 @@ class MLP(nn.Module):
 # the output shapes), so the model compiles to one graph, and in eager mode each picks its kernel.
 
 def grouped_kernel_ok(kernel, *mats):
-    """Whether to run torch._grouped_mm: it takes any float dtype on CPU, bf16 on CUDA, and 16-byte
-    aligned rows (or columns, for a transposed operand)."""
+    """Whether to run torch._grouped_mm: it takes any float dtype on CPU, bf16 on CUDA GPUs of compute
+    capability 8.0 or more (other devices and older GPUs take the loop), and 16-byte aligned rows (or
+    columns, for a transposed operand)."""
     return kernel and hasattr(torch, '_grouped_mm') and all(
-        (m.device.type == 'cpu' or m.dtype == torch.bfloat16) and min(m.stride()[-2:]) == 1
-        and max(m.stride()[-2:]) * m.element_size() % 16 == 0 for m in mats)
+        (m.device.type == 'cpu' or m.device.type == 'cuda' and m.dtype == torch.bfloat16
+         and torch.cuda.get_device_capability(m.device) >= (8, 0))
+        and min(m.stride()[-2:]) == 1 and max(m.stride()[-2:]) * m.element_size() % 16 == 0 for m in mats)
 
 
 def expert_groups(offs):
@@ -208,7 +210,8 @@ def dispatch(x, mask, weights, w_fc, w_proj, n_pairs=None, kernel=True):
     """The one path from any routing mask to expert outputs.
 
     x: (M, C) tokens; mask, weights: (M, N), any number of experts per token; w_fc: (N, C, H),
-    w_proj: (N, H, C). Returns sum_i weights[:, i] * expert_i(x) of shape (M, C).
+    w_proj: (N, H, C), cast here to x's dtype (in decoding only the experts it uses: a bf16 step
+    then reads a few experts' weights, not all). Returns sum_i weights[:, i] * expert_i(x) of shape (M, C).
     n_pairs: how many (token, expert) pairs the mask selects, when the router knows it in advance
     (topk, offline seqtopk, batchtopk in training: M * top_k). Then every shape is fixed and nothing
     waits on the device; None (relu, batchtopk's threshold, online seqtopk) finds them: one host sync.
@@ -227,9 +230,10 @@ def dispatch(x, mask, weights, w_fc, w_proj, n_pairs=None, kernel=True):
     if inference and kernel and pair.shape[0] < N:  # fewer pairs than experts (decoding): each pair's
         # expert matrices gathered and one batched matmul; on CPU 2x faster than a matmul per expert
         expert = pair // M
-        h = F.gelu(torch.bmm(x.index_select(0, token_idx).unsqueeze(1), w_fc.index_select(0, expert)))
-        y = torch.bmm(h * gate[:, None, None], w_proj.index_select(0, expert)).squeeze(1)
+        h = F.gelu(torch.bmm(x.index_select(0, token_idx).unsqueeze(1), w_fc.index_select(0, expert).to(x.dtype)))
+        y = torch.bmm(h * gate[:, None, None], w_proj.index_select(0, expert).to(x.dtype)).squeeze(1)
         return torch.zeros_like(x).index_add_(0, token_idx, y)
+    w_fc, w_proj = w_fc.to(x.dtype), w_proj.to(x.dtype)
     offs = mask.sum(0).cumsum(0).to(torch.int32)  # where each expert's group of rows ends
     # the custom op is for autograd and compile; eager inference skips its dispatch cost
     mm = expert_matmul if inference else grouped_mm
@@ -256,7 +260,7 @@ class MoE(nn.Module):
         # the experts run in the autocast dtype (bf16 on GPUs); the router above stays in fp32
         dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
         y = dispatch(x.reshape(-1, C).to(dtype), mask.view(-1, N), weights.view(-1, N).to(dtype),
-                     self.w_fc.to(dtype), self.w_proj.to(dtype), self.router.fixed_pairs(B * T, causal),
+                     self.w_fc, self.w_proj, self.router.fixed_pairs(B * T, causal),
                      kernel=self.config.moe_impl == 'grouped')
         return self.dropout(y.view(B, T, C)), aux_loss, (mask, scores)
 

@@ -138,6 +138,32 @@ def test_under_bf16_autocast_the_experts_run_in_bf16_and_match_fp32():
         torch.testing.assert_close(g16, g32, rtol=5e-2, atol=5e-2 * g32.abs().max().item())
 
 
+def test_the_grouped_kernel_runs_only_where_torch_has_one():
+    from model import grouped_kernel_ok
+    w = torch.zeros(4, 16, 16)
+    assert grouped_kernel_ok(True, w) and not grouped_kernel_ok(False, w)  # CPU: any float dtype; False: the loop
+    assert not grouped_kernel_ok(True, torch.zeros(4, 16, 3))  # rows of 12 bytes: not 16-byte aligned
+    assert not grouped_kernel_ok(True, w.to('meta', torch.bfloat16))  # another device (e.g. mps): the loop
+
+
+def test_a_bf16_decoding_step_casts_only_the_experts_it_uses_and_matches_fp32():
+    from torch.profiler import profile
+    from model import Cache
+    model = trained_tiny('topk', n_exp=8)  # n_embd = exp_dim = 32: every expert stack is (n_exp, 32, 32)
+    prompt = next(counting_batches(seed=3, B=1))[0][:, :12]
+    logits = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        with torch.inference_mode(), torch.autocast('cpu', dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+            cache = Cache(model.config.n_layer)
+            model(prompt, cache=cache)
+            with profile(record_shapes=True) as prof:
+                logits[dtype] = model(prompt[:, -1:], cache=cache)[0].float()
+    casts = [e.input_shapes[0] for e in prof.events() if e.name == 'aten::_to_copy']
+    assert [2, 32, 32] in casts and [8, 32, 32] not in casts  # the token's top-2 experts, not all 8
+    want = logits[torch.float32]
+    torch.testing.assert_close(logits[torch.bfloat16], want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
+
+
 @pytest.mark.parametrize("router", ["topk", "seqtopk"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_training_forward_compiles_to_one_graph_with_no_break(router, dtype):
