@@ -261,14 +261,16 @@ def decode_in_turns(models, prompt, steps, recompute_every=1, block=16):
             for step in turn:
                 sync()
                 t0 = time.perf_counter()
-                logits = model(idx[name] if step == 0 else idx[name][:, -1:], cache=caches[name])[0]
+                with autocast():  # --dtype=bfloat16 decodes in bf16 too, as the other tables run
+                    logits = model(idx[name] if step == 0 else idx[name][:, -1:], cache=caches[name])[0]
                 sync()
                 cached[name].append(time.perf_counter() - t0)
                 idx[name] = torch.cat([idx[name], logits[:, -1].argmax(-1, keepdim=True)], dim=1)
         for name, model in models.items():
             for step in (step for step in turn if step % recompute_every == 0):
                 t0 = time.perf_counter()
-                model(idx[name][:, :prompt.shape[1] + step], causal=True)  # what generate(use_cache=False) runs
+                with autocast():
+                    model(idx[name][:, :prompt.shape[1] + step], causal=True)  # what generate(use_cache=False) runs
                 sync()
                 recomputed[name].append(time.perf_counter() - t0)
     return cached, recomputed, caches, idx
@@ -285,7 +287,9 @@ def bench_decode(results):
     # decode_in_turns takes generate's steps: the same tokens as generate(temperature=0), checked here
     tokens = decode_in_turns(models, prompt, 16)[3]  # (and a warm-up)
     for router, model in models.items():
-        if not torch.equal(tokens[router], model.generate(prompt, 16, temperature=0)):
+        with autocast():
+            generated = model.generate(prompt, 16, temperature=0)
+        if not torch.equal(tokens[router], generated):
             raise SystemExit(f"error: bench's decoding loop and generate() disagree for {router}")
 
     def speed_ratio(runs, skip=0):  # seqtopk / topk cached speed: over all rounds, and each round's

@@ -310,7 +310,23 @@ class Router(nn.Module):
 
 
 # -----------------------------------------------------------------------------
-# the routing statistics the paper plots (Fig. 4), from accumulated counts
+# the routing statistics the paper plots (Fig. 4, 5), from counts accumulated over evaluation batches
+
+def routing_counts(masks, entropy, k, bins=10):
+    """One batch's counts, to be summed over batches. masks: (layers, B, T, N), each MoE layer's
+    selection; entropy: (B, T), each token's predictive entropy / log V, in [0, 1]. Per layer the
+    experts-per-token histogram (N + 1) and the expert load (N); the mean over sequences of experts per
+    token (mean over layers) at each position; per entropy bin the tokens and their experts; and the worst
+    prefix overspend, experts taken by tokens 1..m beyond m * k (what the online budget promises never happens)."""
+    per_token = masks.sum(-1)  # (layers, B, T)
+    experts = per_token.float().mean(0)  # (B, T)
+    binned = (entropy * bins).long().clamp(0, bins - 1).flatten()
+    return dict(hist=torch.stack([torch.bincount(c.flatten(), minlength=masks.shape[-1] + 1) for c in per_token]),
+                load=masks.sum(dim=(1, 2)), by_position=experts.mean(0),
+                bin_count=torch.bincount(binned, minlength=bins),
+                bin_experts=torch.bincount(binned, weights=experts.flatten(), minlength=bins),
+                overspend=int((per_token.cumsum(-1) - k * torch.arange(1, per_token.shape[-1] + 1)).max()))
+
 
 def routing_stats(hist, load):
     """hist[c] = tokens that took c experts (c = 0..N); load[e] = tokens sent to expert e."""

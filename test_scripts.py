@@ -144,6 +144,18 @@ def test_bench_and_sweep_settings_are_checked_too(script, arg, allowed, monkeypa
     assert exit_message(script, [arg], monkeypatch).startswith(f"error: {arg} must be {allowed}")
 
 
+def test_bench_decodes_in_the_dtype_it_is_given(tmp_path):
+    kv_bytes = {}
+    for dtype in ('float32', 'bfloat16'):  # bench also checks its decoding loop against generate() in that dtype
+        out = tmp_path / f'{dtype}.json'
+        result = run('bench.py', '--what=decode', f'--dtype={dtype}', '--decode_block_size=64', '--prompt_tokens=8',
+                     '--new_tokens=16', '--contexts=16', '--steps_at_context=8', '--repeats=1', f'--json_out={out}',
+                     cwd=tmp_path)
+        assert result.returncode == 0, result.stderr
+        kv_bytes[dtype] = json.loads(out.read_text())['decode_context'][0]['kv_cache_bytes']
+    assert kv_bytes['bfloat16'] * 2 == kv_bytes['float32']  # bf16 autocast: the keys and values are bf16
+
+
 # -----------------------------------------------------------------------------
 # checkpoint files
 

@@ -27,7 +27,7 @@ import checkpoint as ckpt_io
 from configurator import (Rule, above, apply_overrides, device_name, fraction, keep_freed_cpu_memory, non_empty,
                           non_negative, non_negative_int, one_of, positive, positive_int, validate)
 from model import GPT, GPTConfig
-from router import ROUTERS, mrltopk_draw, routing_stats
+from router import ROUTERS, mrltopk_draw, routing_counts, routing_stats
 
 # -----------------------------------------------------------------------------
 # I/O
@@ -275,8 +275,7 @@ def evaluate(split, causal=None, entropy_bins=10):
     (in entropy_bins bins of H / log V); and the worst prefix overspend (experts taken by tokens
     1..m beyond m * top_k, what the online budget promises never happens)."""
     gen = torch.Generator().manual_seed(seed + (split == 'val'))  # the same batches at every eval
-    N, k = cfg.n_exp, cfg.top_k
-    ce, aux, hist, load, overspend, by_position, bin_count, bin_experts = [], [], 0, 0, 0, 0, 0, 0
+    ce, aux, counts, overspend = [], [], {}, 0
     for _ in range(eval_iters):
         X, Y = get_batch(split, gen)
         with ctx:
@@ -285,25 +284,18 @@ def evaluate(split, causal=None, entropy_bins=10):
         aux.append(float(extra['aux_loss']))
         if not extra['routing']:  # a dense GPT (moe_every=0) routes nothing
             continue
-        masks = torch.stack([mask for mask, _ in extra['routing']]).cpu()  # (layers, B, T, N)
-        per_token = masks.sum(-1)
-        hist = hist + torch.stack([torch.bincount(c.flatten(), minlength=N + 1) for c in per_token])
-        load = load + masks.sum(dim=(1, 2))
-        budget = k * torch.arange(1, per_token.shape[-1] + 1)
-        overspend = max(overspend, int((per_token.cumsum(-1) - budget).max()))
-        experts = per_token.float().mean(0)  # (B, T), averaged over layers
-        by_position = by_position + experts.mean(0)
         logp = logits.float().log_softmax(-1)
         entropy = -(logp.exp() * logp).sum(-1).cpu() / math.log(logits.shape[-1])  # (B, T) in [0, 1]
-        bins = (entropy * entropy_bins).long().clamp(0, entropy_bins - 1).flatten()
-        bin_count = bin_count + torch.bincount(bins, minlength=entropy_bins)
-        bin_experts = bin_experts + torch.bincount(bins, weights=experts.flatten(), minlength=entropy_bins)
+        masks = torch.stack([mask for mask, _ in extra['routing']]).cpu()  # (layers, B, T, N)
+        batch = routing_counts(masks, entropy, cfg.top_k, entropy_bins)
+        overspend = max(overspend, batch.pop('overspend'))
+        counts = {name: counts.get(name, 0) + c for name, c in batch.items()}
     result = dict(ce=float(np.mean(ce)), aux=float(np.mean(aux)))
     if routers:
-        result.update(experts_by_position=(by_position / eval_iters).tolist(),
-                      experts_by_entropy=(bin_experts / bin_count.clamp_min(1)).tolist(),
-                      tokens_by_entropy=bin_count.tolist(), prefix_overspend=overspend)
-    return result, hist, load
+        result.update(experts_by_position=(counts['by_position'] / eval_iters).tolist(),
+                      experts_by_entropy=(counts['bin_experts'] / counts['bin_count'].clamp_min(1)).tolist(),
+                      tokens_by_entropy=counts['bin_count'].tolist(), prefix_overspend=overspend)
+    return result, counts.get('hist'), counts.get('load')
 
 
 def estimate_loss():
