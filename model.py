@@ -430,7 +430,7 @@ class GPT(nn.Module):
                 logits = logits / temperature
                 if sample_top_k is not None:
                     v, _ = torch.topk(logits, min(sample_top_k, logits.size(-1)))
-                    logits[logits < v[:, [-1]]] = -float('inf')
+                    logits = logits.masked_fill(logits < v[:, [-1]], -float('inf'))  # no host sync on a GPU
                 idx_next = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
             idx = torch.cat((idx, idx_next), dim=1)
         return idx

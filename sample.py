@@ -24,6 +24,7 @@ temperature = 0.8          # 0 = greedy
 sample_top_k = 200         # sample among the most likely tokens only (0 = all)
 seed = 1337
 device = 'auto'
+dtype = 'auto'             # 'auto' (bf16 on GPUs that have it, else float32), 'float32', 'bfloat16', 'float16'
 use_cache = True           # decode with the KV cache and the Expert Cache (False: recompute every step)
 prompt_routing = 'online'  # 'online': the prompt token by token, as generation; 'joint': as one sequence
 color = False              # colour each token by the experts it took, mean over MoE layers (paper Fig. 5b)
@@ -31,7 +32,7 @@ color = False              # colour each token by the experts it took, mean over
 # what each setting may be (configurator.py), checked before anything runs
 RULES = dict(out_dir=non_empty, start=non_empty, num_samples=positive_int, max_new_tokens=positive_int,
              temperature=non_negative, sample_top_k=non_negative_int, seed=non_negative_int, device=device_name,
-             prompt_routing=one_of('online', 'joint'))
+             dtype=one_of('auto', 'float32', 'bfloat16', 'float16'), prompt_routing=one_of('online', 'joint'))
 RELATIONS = [('prompt_routing', lambda c: c['prompt_routing'] == 'online' or c['use_cache'],
               "'online' with --use_cache=False (recomputing would re-route the prompt)")]
 apply_overrides(globals(), sys.argv[1:])
@@ -78,6 +79,9 @@ if __name__ == '__main__':
     device = ('cuda' if torch.cuda.is_available() else 'cpu') if device == 'auto' else device
     if device.startswith('cuda') and not torch.cuda.is_available() or device == 'mps' and not torch.backends.mps.is_available():
         fail(f"--device={device} is not available on this machine; use --device=cpu")
+    if dtype == 'auto':  # as train.py: autocast in bf16 where the GPU has it (the routers stay fp32)
+        dtype = 'bfloat16' if device.startswith('cuda') and torch.cuda.is_bf16_supported() else 'float32'
+    ctx = torch.autocast(device.split(':')[0], dtype=getattr(torch, dtype), enabled=dtype != 'float32')
     torch.manual_seed(seed)
     keep_freed_cpu_memory()  # as train.py and bench.py: large CPU tensors reuse freed memory
     model, meta = load_model(out_dir, device)
@@ -104,18 +108,20 @@ if __name__ == '__main__':
         counts = []  # per step: experts each MoE layer gave the newest token
         prompt_counts = []  # experts per prompt token, mean over layers
 
-        def count_experts(routing):
+        def count_experts(routing):  # kept on the device: reading them each step would wait on a GPU
             if not prompt_counts:
-                prompt_counts.extend(torch.stack([mask[0].sum(-1) for mask, _ in routing]).float().mean(0).tolist())
-            counts.append([mask[0, -1].sum().item() for mask, _ in routing])
+                prompt_counts.append(torch.stack([mask[0].sum(-1) for mask, _ in routing]).float().mean(0))
+            counts.append(torch.stack([mask[0, -1].sum() for mask, _ in routing]))
         try:
-            y = model.generate(x, max_new_tokens, temperature=temperature, sample_top_k=sample_top_k or None,
-                               use_cache=use_cache, prompt_routing=prompt_routing,
-                               on_step=count_experts if model.routers() else None)  # a dense GPT routes nothing
+            with ctx:
+                y = model.generate(x, max_new_tokens, temperature=temperature, sample_top_k=sample_top_k or None,
+                                   use_cache=use_cache, prompt_routing=prompt_routing,
+                                   on_step=count_experts if model.routers() else None)  # a dense GPT routes nothing
         except ValueError as e:
             fail(e)
         # every generated token but the last went through the MoE layers as the newest token
-        counts = torch.tensor(counts[1:], dtype=torch.long)
+        counts = torch.stack(counts[1:]).long().cpu() if len(counts) > 1 else torch.zeros(0, dtype=torch.long)
+        prompt_counts = prompt_counts[0].tolist() if prompt_counts else []
         if color and len(counts):
             print(colored(y[0].tolist(), prompt_counts + counts.float().mean(1).tolist(), decode, cfg.top_k))
         else:
