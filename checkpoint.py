@@ -32,6 +32,18 @@ def _fail(path, why):
     raise SystemExit(f"error: {path} {why}")
 
 
+def said_once(read):
+    """read(..., quiet=True) exits with status 1 and no line: under torchrun every rank reads the file,
+    and rank 0 alone says what is wrong with it."""
+    def checked(*args, quiet=False, **kwargs):
+        try:
+            return read(*args, **kwargs)
+        except SystemExit as e:
+            raise SystemExit(1 if quiet else e.code) from None
+    return checked
+
+
+@said_once
 def load(path, device, keys=('model', 'model_args', 'meta')):
     """The checkpoint dict at path, with at least `keys`, or SystemExit with one line."""
     if os.path.getsize(path) == 0:
@@ -75,6 +87,7 @@ def load(path, device, keys=('model', 'model_args', 'meta')):
     return ckpt
 
 
+@said_once
 def load_weights(model, ckpt, path):
     """model.load_state_dict(ckpt['model']), or one line naming the keys that do not fit."""
     try:

@@ -291,6 +291,16 @@ def test_torchrun_with_default_accumulation_runs_and_every_rank_stops_at_the_sam
         torch.testing.assert_close(weight, b['model'][name], rtol=1e-4, atol=1e-5)
 
 
+def test_under_torchrun_a_bad_checkpoint_is_said_once(workdir):
+    (workdir / 'bad.pt').write_bytes(b'garbage')
+    result = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
+                             os.path.join(REPO, 'train.py'), TINY, '--init_from=bad.pt', '--out_dir=ddp-bad'],
+                            cwd=workdir, env=OFFLINE_ENV, capture_output=True, text=True, timeout=300)
+    errors = [line for line in (result.stdout + result.stderr).splitlines() if line.startswith('error: ')]
+    assert result.returncode != 0  # every rank stops; rank 0 alone says why
+    assert errors == ["error: bad.pt is not a torch checkpoint file; give a ckpt.pt written by train.py"]
+
+
 # -----------------------------------------------------------------------------
 # datasets: local files and folders through the real load_dataset + map path, offline
 

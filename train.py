@@ -205,7 +205,8 @@ if source is not None:  # resume a run, or fine-tune (a new run) from another ru
         fail(f"--init_from=resume but there is no checkpoint at {source}; "
              f"start the run with --init_from=scratch, or give the --out_dir of the run to continue")
     checkpoint = ckpt_io.load(source, device, ('model', 'model_args') + (
-        ('optimizer', 'iter_num', 'best_val_loss', 'batch_gen_state', 'torch_rng_state') if init_from == 'resume' else ()))
+        ('optimizer', 'iter_num', 'best_val_loss', 'batch_gen_state', 'torch_rng_state') if init_from == 'resume' else ()),
+        quiet=not master_process)  # under torchrun, rank 0 says what is wrong once
     for k, saved in checkpoint['model_args'].items():  # settings not given here come from the checkpoint
         if k in overridden and model_args.get(k) != saved and k not in ROUTING_KEYS:
             fail(f"{source} was trained with {k}={saved!r}, this run asks for {k}={model_args[k]!r}; "
@@ -226,7 +227,7 @@ try:
 except ValueError as e:
     fail(e)
 if checkpoint is not None:
-    ckpt_io.load_weights(model, checkpoint, source)
+    ckpt_io.load_weights(model, checkpoint, source, quiet=not master_process)
 model.to(device)
 optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type)
 if init_from == 'resume':  # a fine-tune starts a fresh optimizer (and warmup) on the loaded weights
