@@ -255,24 +255,23 @@ def decode_in_turns(models, prompt, steps, recompute_every=1, block=16):
     caches = {name: Cache(model.config.n_layer) for name, model in models.items()}
     idx = dict.fromkeys(models, prompt)
     cached, recomputed = {name: [] for name in models}, {name: [] for name in models}
-    for first in range(0, steps, block):
-        turn = range(first, min(steps, first + block))
-        for name, model in models.items():
-            for step in turn:
-                sync()
-                t0 = time.perf_counter()
-                with autocast():  # --dtype=bfloat16 decodes in bf16 too, as the other tables run
+    with autocast():  # --dtype=bfloat16: one bf16 region over the whole generation, as sample.py's
+        for first in range(0, steps, block):
+            turn = range(first, min(steps, first + block))
+            for name, model in models.items():
+                for step in turn:
+                    sync()
+                    t0 = time.perf_counter()
                     logits = model(idx[name] if step == 0 else idx[name][:, -1:], cache=caches[name])[0]
-                sync()
-                cached[name].append(time.perf_counter() - t0)
-                idx[name] = torch.cat([idx[name], logits[:, -1].argmax(-1, keepdim=True)], dim=1)
-        for name, model in models.items():
-            for step in (step for step in turn if step % recompute_every == 0):
-                t0 = time.perf_counter()
-                with autocast():
+                    sync()
+                    cached[name].append(time.perf_counter() - t0)
+                    idx[name] = torch.cat([idx[name], logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+            for name, model in models.items():
+                for step in (step for step in turn if step % recompute_every == 0):
+                    t0 = time.perf_counter()
                     model(idx[name][:, :prompt.shape[1] + step], causal=True)  # what generate(use_cache=False) runs
-                sync()
-                recomputed[name].append(time.perf_counter() - t0)
+                    sync()
+                    recomputed[name].append(time.perf_counter() - t0)
     return cached, recomputed, caches, idx
 
 
