@@ -76,9 +76,8 @@ def seqtopk_mask(scores, k, min_k=1, max_k=None):
 
 
 def cached_at_least(past, candidates):
-    """For each new token's scores (B, T, R) -- its candidates, or in a decoding step all its ranked
-    scores: how many of the Expert Cache's (B, P, max_k - min_k) score at least as high (int32),
-    compared in chunks that bound the (B, chunk*R, P*(max_k - min_k)) comparison."""
+    """For each candidate (B, T, R) of the new tokens: how many of the Expert Cache's (B, P, R) score at
+    least as high (int32), compared in chunks that bound the (B, chunk*R, P*R) comparison."""
     B, T, R = candidates.shape
     cached = past.reshape(B, 1, -1)
     chunk = max(1, 2 ** 24 // max(1, B * R * cached.shape[-1]))
@@ -109,29 +108,38 @@ def online_seqtopk_mask(scores, k, min_k=1, max_k=None, past=None, spent=None, s
     # before it: earlier tokens' scoring >= it (earlier tokens win ties, as in seqtopk_mask) and the
     # token's own better-ranked ones. `before` counts them, plus the candidate itself.
     if T == 1 and not strict:  # a decoding step, m = P + 1, in as few ops as it can: it runs per layer per token
-        # the candidate of rank j is taken iff at most m*(k - min_k) - 1 - (j - min_k) cached candidates score
-        # at least as high (its own better-ranked ones come before it too); a rank below min_k always is (P*R
-        # cached ones at most). Both sides move monotonically with j, so the taken ranks are a prefix.
-        most = (P + 1) * (k - min_k) - 1 + min_k
-        allowed = torch.arange(most, most - max_k, -1, device=scores.device)  # made on the device: no copy
-        allowed.narrow(0, 0, min_k).fill_(P * R)
-        before = cached_at_least(past if P else scores.new_empty(B, 0, R), ranked)  # (B, 1, max_k)
-        taken = before.view(B, max_k) <= allowed
-        mask = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, order, taken.view(B, 1, max_k))
-        return mask, candidates, spent + taken.sum(-1)
+        # its first min_k ranks are always taken; its candidate of rank min_k + j is iff at most
+        # m*(k - min_k) - 1 - j cached candidates score at least as high (its own j better ones come
+        # before it too). Both sides move monotonically with j, so the taken ranks are a prefix.
+        cached = scores.new_empty(B, 1, 0) if past is None else past.reshape(B, 1, -1)
+        before = (cached >= candidates.reshape(B, R, 1)).sum(-1)  # (B, R)
+        most = (P + 1) * (k - min_k) - 1
+        taken = before <= torch.arange(most, most - R, -1, device=scores.device)  # made on the device: no copy
+        mask = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, order.narrow(-1, 0, min_k), True)
+        mask.scatter_(-1, order.narrow(-1, min_k, R), taken.view(B, 1, R))
+        return mask, candidates, spent + min_k + taken.sum(-1)
     # Sort the new candidates once in that order (a stable sort of the token-major flattening breaks
-    # ties by token, then rank): those before a candidate of token m are then a running count of the
-    # ones of tokens <= m, linear in T per token instead of comparing every pair.
+    # ties by token, then rank): those before a candidate of token m are then the ones placed at or
+    # ahead of it that belong to tokens <= m. Counted in blocks of S tokens, ~T*T*R/S + T*S*R*R work
+    # rather than every token against every place: earlier blocks' by a running count per block start,
+    # the token's own block's (its start up to m) by comparing places directly.
     ordered = candidates.reshape(B, T * R).sort(dim=-1, descending=True, stable=True).indices
     token_of = ordered // R
-    place = torch.empty_like(ordered).scatter_(-1, ordered, torch.arange(T * R, device=scores.device).expand(B, -1))
-    place = place.view(B, T, R)
-    before = torch.empty(B, T, R, dtype=torch.int32, device=scores.device)
-    chunk = max(1, 2 ** 24 // max(1, B * T * R))  # bounds the (B, chunk, T*R) running counts
-    for t0 in range(0, T, chunk):
-        t = torch.arange(t0, min(T, t0 + chunk), device=scores.device)
-        running = (token_of[:, None, :] <= t[None, :, None]).cumsum(dim=-1, dtype=torch.int32)
-        before[:, t0:t0 + chunk] = running.gather(-1, place[:, t0:t0 + chunk])
+    S, n_blocks = 16, -(-T // 16)
+    place = torch.full((B, n_blocks * S * R), T * R, dtype=ordered.dtype, device=scores.device)  # padding: last
+    place.narrow(1, 0, T * R).scatter_(-1, ordered, torch.arange(T * R, device=scores.device).expand(B, -1))
+    place = place.view(B, n_blocks, S * R)
+    token = torch.arange(S, device=scores.device).repeat_interleave(R)
+    same_block_earlier = token[None, :] <= token[:, None]  # (candidate, other): the other's token <= its own
+    before = torch.empty(B, n_blocks, S * R, dtype=torch.int32, device=scores.device)
+    chunk = max(1, 2 ** 24 // max(1, B * (T * R + (S * R) ** 2)))  # blocks at once: bounds the tables
+    for b0 in range(0, n_blocks, chunk):
+        here = place[:, b0:b0 + chunk]  # (B, blocks, S*R)
+        start = torch.arange(b0, b0 + here.shape[1], device=scores.device) * S
+        earlier = (token_of[:, None, :] < start[None, :, None]).cumsum(dim=-1, dtype=torch.int32)
+        in_block = ((here[:, :, None, :] <= here[..., None]) & same_block_earlier).sum(-1, dtype=torch.int32)
+        before[:, b0:b0 + chunk] = earlier.gather(-1, here.clamp_max(T * R - 1)) + in_block
+    before = before.view(B, -1).narrow(1, 0, T * R).view(B, T, R)
     if P:  # the Expert Cache's tokens are all earlier
         before += cached_at_least(past, candidates)
     # taken: candidates with fewer than m*(k - min_k) before them (`before` counts the candidate too)

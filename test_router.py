@@ -329,14 +329,14 @@ def test_online_seqtopk_routes_token_m_as_seqtopk_over_tokens_1_to_m():
     from router import online_seqtopk_mask
     for ties in (False, True):
         for k, min_k, max_k in [(2, 1, None), (2, 0, 8), (3, 1, 8), (2, 2, 2)]:
-            scores = random_scores(3, 20, 8, seed=k, ties=ties)
+            scores = random_scores(3, 40, 8, seed=k, ties=ties)  # 40 tokens: over two blocks of 16 and a part
             mask, _, _ = online_seqtopk_mask(scores, k, min_k, max_k)
             prefix_rule = torch.stack([seqtopk_mask(scores[:, :m], k, min_k, max_k)[:, m - 1]
-                                       for m in range(1, 21)], dim=1)
+                                       for m in range(1, 41)], dim=1)
             assert torch.equal(mask, prefix_rule)
             # the same routing when the sequence arrives in pieces, the earlier ones in the Expert Cache
             past, spent, pieces = None, None, []
-            for start, end in [(0, 5), (5, 6), (6, 13), (13, 14), (14, 20)]:
+            for start, end in [(0, 5), (5, 6), (6, 13), (13, 14), (14, 37), (37, 40)]:
                 piece, rows, spent = online_seqtopk_mask(scores[:, start:end], k, min_k, max_k, past, spent)
                 past = rows if past is None else torch.cat([past, rows], dim=1)
                 pieces.append(piece)
