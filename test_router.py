@@ -343,6 +343,20 @@ def test_online_seqtopk_routes_token_m_as_seqtopk_over_tokens_1_to_m():
             assert torch.equal(torch.cat(pieces, dim=1), mask) and torch.equal(spent, mask.sum(dim=(1, 2)))
 
 
+def test_online_seqtopk_routes_each_sequence_of_a_large_batch_as_it_would_alone():
+    # a large batch is counted in chunks that bound memory (the blocks of a sequence, the new tokens
+    # against the Expert Cache); a sequence's routing must not depend on the chunking
+    from router import online_seqtopk_mask
+    scores = random_scores(64, 576, 16, seed=5, ties=True)
+    mask, rows, spent = online_seqtopk_mask(scores[:, :512], 4)
+    more, _, more_spent = online_seqtopk_mask(scores[:, 512:], 4, past=rows, spent=spent)
+    for b in (0, 41, 63):
+        alone, alone_rows, alone_spent = online_seqtopk_mask(scores[b:b + 1, :512], 4)
+        alone_more, _, _ = online_seqtopk_mask(scores[b:b + 1, 512:], 4, past=alone_rows, spent=alone_spent)
+        assert torch.equal(mask[b:b + 1], alone) and torch.equal(more[b:b + 1], alone_more)
+    assert torch.equal(more_spent, mask.sum(dim=(1, 2)) + more.sum(dim=(1, 2)))
+
+
 def test_online_seqtopk_is_causal_and_starts_as_topk():
     from router import online_seqtopk_mask
     scores = random_scores(2, 24, 8, seed=1)
