@@ -111,8 +111,7 @@ def online_seqtopk_mask(scores, k, min_k=1, max_k=None, past=None, spent=None, s
         # its first min_k ranks are always taken; its candidate of rank min_k + j is iff at most
         # m*(k - min_k) - 1 - j cached candidates score at least as high (its own j better ones come
         # before it too). Both sides move monotonically with j, so the taken ranks are a prefix.
-        cached = scores.new_empty(B, 1, 0) if past is None else past.reshape(B, 1, -1)
-        before = (cached >= candidates.reshape(B, R, 1)).sum(-1)  # (B, R)
+        before = cached_at_least(past if P else scores.new_empty(B, 0, R), candidates).view(B, R)
         most = (P + 1) * (k - min_k) - 1
         taken = before <= torch.arange(most, most - R, -1, device=scores.device)  # made on the device: no copy
         mask = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, order.narrow(-1, 0, min_k), True)
@@ -125,7 +124,8 @@ def online_seqtopk_mask(scores, k, min_k=1, max_k=None, past=None, spent=None, s
     # the token's own block's (its start up to m) by comparing places directly.
     ordered = candidates.reshape(B, T * R).sort(dim=-1, descending=True, stable=True).indices
     token_of = ordered // R
-    S, n_blocks = 16, -(-T // 16)
+    S = 16
+    n_blocks = -(-T // S)
     place = torch.full((B, n_blocks * S * R), T * R, dtype=ordered.dtype, device=scores.device)  # padding: last
     place.narrow(1, 0, T * R).scatter_(-1, ordered, torch.arange(T * R, device=scores.device).expand(B, -1))
     place = place.view(B, n_blocks, S * R)
