@@ -124,6 +124,16 @@ def validate(config, rules, relations=()):
             stop(key, allowed.format(**config))
 
 
+def autocast_for(device, dtype):
+    """The dtype the model runs in on device ('auto': bf16 on CUDA GPUs that have it, else float32) and
+    its autocast context (disabled for float32; the routers stay fp32 either way), for train.py and sample.py."""
+    import torch
+    device_type = device.split(':')[0]
+    if dtype == 'auto':
+        dtype = 'bfloat16' if device_type == 'cuda' and torch.cuda.is_bf16_supported() else 'float32'
+    return dtype, torch.autocast(device_type, dtype=getattr(torch, dtype), enabled=dtype != 'float32')
+
+
 def keep_freed_cpu_memory():
     """Let glibc's malloc keep freed memory for reuse instead of returning it to the OS (as jemalloc
     or tcmalloc do, which PyTorch's CPU tuning guide recommends). Otherwise every large CPU tensor

@@ -10,8 +10,8 @@ import sys
 import torch
 
 import checkpoint as ckpt_io
-from configurator import (apply_overrides, device_name, keep_freed_cpu_memory, non_empty, non_negative, non_negative_int,
-                          one_of, positive_int, validate)
+from configurator import (apply_overrides, autocast_for, device_name, keep_freed_cpu_memory, non_empty, non_negative,
+                          non_negative_int, one_of, positive_int, validate)
 from model import GPT, GPTConfig
 from prepare import get_codec
 
@@ -79,9 +79,7 @@ if __name__ == '__main__':
     device = ('cuda' if torch.cuda.is_available() else 'cpu') if device == 'auto' else device
     if device.startswith('cuda') and not torch.cuda.is_available() or device == 'mps' and not torch.backends.mps.is_available():
         fail(f"--device={device} is not available on this machine; use --device=cpu")
-    if dtype == 'auto':  # as train.py: autocast in bf16 where the GPU has it (the routers stay fp32)
-        dtype = 'bfloat16' if device.startswith('cuda') and torch.cuda.is_bf16_supported() else 'float32'
-    ctx = torch.autocast(device.split(':')[0], dtype=getattr(torch, dtype), enabled=dtype != 'float32')
+    dtype, ctx = autocast_for(device, dtype)  # as train.py
     torch.manual_seed(seed)
     keep_freed_cpu_memory()  # as train.py and bench.py: large CPU tensors reuse freed memory
     model, meta = load_model(out_dir, device)

@@ -15,7 +15,6 @@ import shlex
 import signal
 import sys
 import time
-from contextlib import nullcontext
 from dataclasses import asdict, fields
 
 import numpy as np
@@ -24,8 +23,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import checkpoint as ckpt_io
-from configurator import (Rule, above, apply_overrides, device_name, fraction, keep_freed_cpu_memory, non_empty,
-                          non_negative, non_negative_int, one_of, positive, positive_int, validate)
+from configurator import (Rule, above, apply_overrides, autocast_for, device_name, fraction, keep_freed_cpu_memory,
+                          non_empty, non_negative, non_negative_int, one_of, positive, positive_int, validate)
 from model import GPT, GPTConfig
 from router import ROUTERS, mrltopk_draw, routing_counts, routing_stats
 
@@ -142,8 +141,6 @@ if ddp:
     # the global count is divided across the ranks; below one each, every rank runs one micro-step
     gradient_accumulation_steps = max(1, gradient_accumulation_steps // world_size)
 device_type = 'cuda' if device.startswith('cuda') else device
-if dtype == 'auto':
-    dtype = 'bfloat16' if device_type == 'cuda' and torch.cuda.is_bf16_supported() else 'float32'
 if device_type == 'cuda' and not torch.cuda.is_available():
     fail("device=cuda but no CUDA GPU is visible; use --device=cpu")
 if device_type == 'mps' and not torch.backends.mps.is_available():
@@ -153,8 +150,7 @@ torch.manual_seed(seed)
 keep_freed_cpu_memory()
 torch.backends.cuda.matmul.allow_tf32 = True
 torch.backends.cudnn.allow_tf32 = True
-ptdtype = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}[dtype]
-ctx = nullcontext() if dtype == 'float32' else torch.autocast(device_type=device_type, dtype=ptdtype)
+dtype, ctx = autocast_for(device, dtype)
 
 # -----------------------------------------------------------------------------
 # data: the built-in datasets are prepared on first use, anything else must exist
