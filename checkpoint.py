@@ -44,8 +44,10 @@ def said_once(read):
 
 
 @said_once
-def load(path, device, keys=('model', 'model_args', 'meta')):
-    """The checkpoint dict at path, with at least `keys`, or SystemExit with one line."""
+def load(path, keys=('model', 'model_args', 'meta')):
+    """The checkpoint dict at path, with at least `keys`, or SystemExit with one line. Loaded on the
+    CPU whatever device the run uses: the model is moved after loading its weights, the optimizer
+    moves its state to its parameters' devices, and the RNG states must stay CPU tensors."""
     if os.path.getsize(path) == 0:
         _fail(path, "is empty, not a checkpoint")
     with open(path, 'rb') as f:
@@ -53,7 +55,7 @@ def load(path, device, keys=('model', 'model_args', 'meta')):
     try:
         with warnings.catch_warnings():  # torch warns about odd pickles; the error below says enough
             warnings.simplefilter('ignore')
-            ckpt = torch.load(path, map_location=device, weights_only=True)
+            ckpt = torch.load(path, map_location='cpu', weights_only=True)
     except Exception as e:  # torch raises many kinds; what the user needs is which file and why
         refused = re.search(r'Unsupported global: GLOBAL (\S+)', str(e))
         if refused:

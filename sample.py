@@ -49,7 +49,7 @@ def load_model(out_dir, device):
     ckpt_path = os.path.join(out_dir, 'ckpt.pt')
     if not os.path.isfile(ckpt_path):
         fail(f"no checkpoint at {ckpt_path}; train one with `python train.py --out_dir={out_dir}`")
-    checkpoint = ckpt_io.load(ckpt_path, device)
+    checkpoint = ckpt_io.load(ckpt_path)
     try:
         model = GPT(GPTConfig(**checkpoint['model_args']))
     except (ValueError, TypeError) as e:

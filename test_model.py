@@ -189,7 +189,7 @@ def test_cuda_bf16_dispatch_equals_the_fp32_reference_forward_and_gradient():
               torch.randn(N, H, C, generator=g) * 0.3]
     results = []
     for device, dtype in (('cpu', torch.float32), ('cuda', torch.bfloat16)):
-        leaves = [p.to(device, dtype).requires_grad_() for p in params]
+        leaves = [p.to(device, dtype).detach().requires_grad_() for p in params]  # fresh leaves each pass
         out = dispatch(leaves[0], mask.to(device), weights.to(device, dtype), *leaves[1:], n_pairs=M * 2)
         out.float().square().sum().backward()
         results.append([t.detach().float().cpu() for t in (out, *[p.grad for p in leaves])])

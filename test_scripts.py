@@ -273,7 +273,7 @@ def child_with_rank(pid, rank):
 
 @pytest.mark.skipif(not os.path.exists('/proc/self/task'), reason="finds the torchrun workers through /proc")
 def test_torchrun_with_default_accumulation_runs_and_every_rank_stops_at_the_same_step(workdir):
-    common = [TINY, '--lr_decay_iters=40', '--eval_interval=1000', '--log_interval=1']
+    common = [TINY, '--lr_decay_iters=40', '--eval_interval=1000', '--log_interval=1', '--device=cpu']  # gloo
     # a SIGTERM to rank 1 alone: rank 0 learns it in the step's all-reduce, saves, and both exit cleanly
     rc, output, step = start_and_stop(
         [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
@@ -294,11 +294,23 @@ def test_torchrun_with_default_accumulation_runs_and_every_rank_stops_at_the_sam
 def test_under_torchrun_a_bad_checkpoint_is_said_once(workdir):
     (workdir / 'bad.pt').write_bytes(b'garbage')
     result = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
-                             os.path.join(REPO, 'train.py'), TINY, '--init_from=bad.pt', '--out_dir=ddp-bad'],
+                             os.path.join(REPO, 'train.py'), TINY, '--init_from=bad.pt', '--out_dir=ddp-bad',
+                             '--device=cpu'],
                             cwd=workdir, env=OFFLINE_ENV, capture_output=True, text=True, timeout=300)
     errors = [line for line in (result.stdout + result.stderr).splitlines() if line.startswith('error: ')]
     assert result.returncode != 0  # every rank stops; rank 0 alone says why
     assert errors == ["error: bad.pt is not a torch checkpoint file; give a ckpt.pt written by train.py"]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() != 1, reason="needs exactly one CUDA GPU")
+def test_torchrun_with_more_processes_than_gpus_is_one_line():
+    result = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
+                             os.path.join(REPO, 'train.py'), TINY, '--device=cuda', '--out_dir=ddp-gpus'],
+                            env=OFFLINE_ENV, capture_output=True, text=True, timeout=300)
+    errors = [line for line in (result.stdout + result.stderr).splitlines() if line.startswith('error: ')]
+    assert result.returncode != 0  # every rank stops; rank 0 alone says why
+    assert errors == ["error: torchrun started more processes on this node than the 1 visible GPU(s): "
+                      "use --nproc_per_node=1, or --device=cpu (gloo)"]
 
 
 # -----------------------------------------------------------------------------
@@ -426,7 +438,7 @@ def last_eval(out_dir):
 def test_ddp_on_two_cpu_processes_matches_one_process_with_the_same_global_batch(workdir, router):
     # relu: lambda and the thresholds step once per step, from the active fractions of every micro-batch
     common = [os.path.join(REPO, 'config', 'tiny.py'), f'--router={router}', '--gradient_accumulation_steps=2',
-              '--max_iters=6', '--eval_interval=6', '--relu_l1_init=0.01']
+              '--max_iters=6', '--eval_interval=6', '--relu_l1_init=0.01', '--device=cpu']
     single = run('train.py', *common, f'--out_dir=single-{router}', cwd=workdir)
     assert single.returncode == 0, single.stderr
     ddp = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',

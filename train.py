@@ -130,21 +130,25 @@ rank, world_size = (int(os.environ['RANK']), int(os.environ['WORLD_SIZE'])) if d
 master_process = rank == 0
 if device == 'auto':
     device = 'cuda' if torch.cuda.is_available() else 'cpu'
-if ddp:
-    if device.startswith('cuda'):
-        device = f"cuda:{os.environ['LOCAL_RANK']}"
-        torch.cuda.set_device(device)
-    dist.init_process_group(backend='nccl' if device.startswith('cuda') else 'gloo')
-    if gradient_accumulation_steps > world_size and gradient_accumulation_steps % world_size:
-        fail(f"--gradient_accumulation_steps={gradient_accumulation_steps} must be a multiple of the {world_size} "
-             f"processes (each runs gradient_accumulation_steps / {world_size}), or at most {world_size}")
-    # the global count is divided across the ranks; below one each, every rank runs one micro-step
-    gradient_accumulation_steps = max(1, gradient_accumulation_steps // world_size)
 device_type = 'cuda' if device.startswith('cuda') else device
 if device_type == 'cuda' and not torch.cuda.is_available():
     fail("device=cuda but no CUDA GPU is visible; use --device=cpu")
 if device_type == 'mps' and not torch.backends.mps.is_available():
     fail("device=mps but MPS is not available on this machine; use --device=cpu")
+if ddp:
+    if device_type == 'cuda':
+        local_rank = int(os.environ['LOCAL_RANK'])  # every rank checks, so that rank 0 says it
+        if int(os.environ.get('LOCAL_WORLD_SIZE', local_rank + 1)) > torch.cuda.device_count():
+            fail(f"torchrun started more processes on this node than the {torch.cuda.device_count()} visible "
+                 f"GPU(s): use --nproc_per_node={torch.cuda.device_count()}, or --device=cpu (gloo)")
+        device = f"cuda:{local_rank}"
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend='nccl' if device_type == 'cuda' else 'gloo')
+    if gradient_accumulation_steps > world_size and gradient_accumulation_steps % world_size:
+        fail(f"--gradient_accumulation_steps={gradient_accumulation_steps} must be a multiple of the {world_size} "
+             f"processes (each runs gradient_accumulation_steps / {world_size}), or at most {world_size}")
+    # the global count is divided across the ranks; below one each, every rank runs one micro-step
+    gradient_accumulation_steps = max(1, gradient_accumulation_steps // world_size)
 lr_decay_iters = lr_decay_iters or max_iters
 torch.manual_seed(seed)
 keep_freed_cpu_memory()
@@ -200,7 +204,7 @@ if source is not None:  # resume a run, or fine-tune (a new run) from another ru
     if not os.path.isfile(source):
         fail(f"--init_from=resume but there is no checkpoint at {source}; "
              f"start the run with --init_from=scratch, or give the --out_dir of the run to continue")
-    checkpoint = ckpt_io.load(source, device, ('model', 'model_args') + (
+    checkpoint = ckpt_io.load(source, ('model', 'model_args') + (
         ('optimizer', 'iter_num', 'best_val_loss', 'batch_gen_state', 'torch_rng_state') if init_from == 'resume' else ()),
         quiet=not master_process)  # under torchrun, rank 0 says what is wrong once
     for k, saved in checkpoint['model_args'].items():  # settings not given here come from the checkpoint
