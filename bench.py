@@ -28,9 +28,9 @@ from contextlib import nullcontext
 import torch
 import torch.nn.functional as F
 
-from configurator import (Rule, apply_overrides, each, keep_freed_cpu_memory, non_negative_int, one_of,
-                          positive_int, validate)
+from configurator import Rule, configure, each, non_negative_int, one_of, positive_int
 from model import GPT, GPTConfig, Cache, MoE
+from runtime import keep_freed_cpu_memory
 from router import (ROUTERS, batchtopk_mask, online_seqtopk_mask, relu_gates, seqtopk_mask, threshold_mask,
                     topk_mask)
 
@@ -72,9 +72,7 @@ RELATIONS = [('moe_top_k', lambda c: c['moe_top_k'] <= c['moe_n_exp'], 'at most 
              ('contexts', lambda c: max(int(x) for x in c['contexts'].split(',')) + c['steps_at_context']
               <= c['decode_block_size'], 'contexts of at most --decode_block_size={decode_block_size} '
               'minus --steps_at_context={steps_at_context}')]
-apply_overrides(globals(), sys.argv[1:])
-validate({k: v for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str))},
-         RULES, RELATIONS)
+configure(globals(), sys.argv[1:], RULES, RELATIONS)
 ptdtype = {'float32': torch.float32, 'bfloat16': torch.bfloat16}[dtype]
 device_type = 'cuda' if device.startswith('cuda') else 'cpu'
 autocast = (lambda: torch.autocast(device_type=device_type, dtype=ptdtype)) if dtype != 'float32' else nullcontext

@@ -13,7 +13,7 @@ import torch
 
 from model import GPTConfig
 
-MODEL_KEYS = {f.name for f in fields(GPTConfig)}
+MODEL_KEYS = [f.name for f in fields(GPTConfig)]  # the settings a checkpoint's model_args hold
 
 
 def non_finite(state_dict):
@@ -75,8 +75,8 @@ def load(path, keys=('model', 'model_args', 'meta')):
     if missing:
         _fail(path, f"is not a complete seqmoe checkpoint: it has no {', '.join(missing)} "
                     f"(it has {', '.join(map(str, ckpt)) or 'nothing'})")
-    if 'model_args' in keys and (not isinstance(model_args, dict) or set(model_args) - MODEL_KEYS):
-        unknown = sorted(set(model_args) - MODEL_KEYS) if isinstance(model_args, dict) else ['(not a dict)']
+    if 'model_args' in keys and (not isinstance(model_args, dict) or set(model_args) - set(MODEL_KEYS)):
+        unknown = sorted(set(model_args) - set(MODEL_KEYS)) if isinstance(model_args, dict) else ['(not a dict)']
         _fail(path, f"has model settings this version does not know: {', '.join(unknown)}")
     if 'meta' in keys and not (isinstance(ckpt['meta'], dict) and {'tokenizer', 'vocab_size'} <= set(ckpt['meta'])):
         _fail(path, "has no tokenizer in its meta; give a ckpt.pt written by train.py")

@@ -4,13 +4,15 @@ preset files and --key=value arguments, in the order given:
 
     python train.py config/tiny.py --router=seqtopk --top_k=4
 
-apply_overrides(globals(), sys.argv[1:]) returns the set of keys that were overridden.
+configure(globals(), sys.argv[1:], RULES, RELATIONS) applies them and checks the result.
 
 Each script also states, right under its settings, what each one may be: a dict of rules from the
-small vocabulary below, and a list of relations between settings. validate() checks them before
+small vocabulary below, and a list of relations between settings. configure() checks them before
 anything runs and stops at the first bad value with one line, e.g.
 
     error: --batch_size=0 must be a positive integer
+
+The model's own settings are checked by model.GPTConfig.validate, with the same vocabulary.
 """
 import difflib
 import math
@@ -25,7 +27,7 @@ TYPE_NAMES = {bool: 'True or False', int: 'an integer', float: 'a number', str: 
 def _parse(key, raw, default):
     if isinstance(default, float) and not isinstance(default, bool):
         try:
-            return float(raw)  # also nan, inf and 1e999, so that validate() can say they must be finite
+            return float(raw)  # also nan, inf and 1e999, so that check() can say they must be finite
         except ValueError:
             pass
     try:
@@ -102,13 +104,13 @@ def each(rule, convert=str):
                 f'a comma-separated list, each item {rule.allowed}')
 
 
-def validate(config, rules, relations=()):
-    """Stop with one line at the first setting that is not finite, breaks its rule, or breaks a
-    relation (setting, test(config), what it must be: a format string over the config)."""
+def check(config, rules, relations=()):
+    """ValueError naming the first setting that is not finite, breaks its rule, or breaks a relation
+    (setting, test(config), what it must be: a format string over the config): '--key=value must be ...'."""
     def stop(key, allowed):
         value = config[key]
         shown = repr(value) if isinstance(value, str) and not value.isprintable() else value  # stays one line
-        raise SystemExit(f"error: --{key}={shown} must be {allowed}")
+        raise ValueError(f"--{key}={shown} must be {allowed}")
     for key, value in config.items():
         if isinstance(value, float) and not math.isfinite(value):
             stop(key, 'a finite number')
@@ -124,27 +126,15 @@ def validate(config, rules, relations=()):
             stop(key, allowed.format(**config))
 
 
-def autocast_for(device, dtype):
-    """The dtype the model runs in on device ('auto': bf16 on CUDA GPUs that have it, else float32) and
-    its autocast context (disabled for float32; the routers stay fp32 either way), for train.py and sample.py."""
-    import torch
-    device_type = device.split(':')[0]
-    if dtype == 'auto':
-        dtype = 'bfloat16' if device_type == 'cuda' and torch.cuda.is_bf16_supported() else 'float32'
-    return dtype, torch.autocast(device_type, dtype=getattr(torch, dtype), enabled=dtype != 'float32')
-
-
-def keep_freed_cpu_memory():
-    """Let glibc's malloc keep freed memory for reuse instead of returning it to the OS (as jemalloc
-    or tcmalloc do, which PyTorch's CPU tuning guide recommends). Otherwise every large CPU tensor
-    of 32 MB and up is a fresh mmap whose pages fault in one by one: the expert dispatch's gathers
-    cost ~8x more. Linux with glibc only; elsewhere nothing changes."""
-    import ctypes
-    import ctypes.util
-    import platform
-    if platform.system() != 'Linux' or platform.libc_ver()[0] != 'glibc':
-        return
-    libc = ctypes.CDLL(ctypes.util.find_library('c'))
-    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
-    libc.mallopt(M_MMAP_THRESHOLD, 1 << 30)  # allocations under 1 GB come from the reusable heap
-    libc.mallopt(M_TRIM_THRESHOLD, 1 << 31)  # and freeing keeps up to 2 GB of it for the next ones
+def configure(config, args, rules, relations=()):
+    """Every script's start: apply preset files and --key=value args to `config` (its globals()), then
+    check its own settings (rules, relations); a bad one stops it with one `error:` line before anything
+    runs. Returns the settings (the script's int, float, bool and str globals) and the overridden keys."""
+    overridden = apply_overrides(config, args)
+    settings = {k: config[k] for k in sorted(config) if not k.startswith('_') and
+                isinstance(config[k], (int, float, bool, str))}
+    try:
+        check(settings, rules, relations)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    return settings, overridden

@@ -1,18 +1,21 @@
 """
 A nanoGPT-style GPT whose feed-forward layers are Mixture-of-Experts layers.
 
-Read top to bottom: config, attention, the dense MLP, the expert dispatch (one path for every
-router), the MoE layer, the block, and the GPT with its generate loop. The routers themselves
-live in router.py.
+Read top to bottom: config, the decoding cache, attention, the dense MLP, the MoE layer, the block,
+and the GPT with its generate loop. The routers live in router.py, the expert dispatch (one path for
+every router) in experts.py.
 """
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
-from router import Router, check_router, mrltopk_draw, next_relu_coef, next_relu_threshold
+from configurator import (Rule, above, check, fraction, non_negative, non_negative_int, one_of, positive,
+                          positive_int)
+from experts import dispatch
+from router import ROUTERS, Router, check_router, step_budgets, step_rules
 
 
 @dataclass
@@ -29,7 +32,7 @@ class GPTConfig:
     exp_dim: int = 256         # hidden width of each expert
     moe_every: int = 1         # every moe_every-th block is MoE, the others dense (1 = all MoE, 0 = none)
     mlp_dim: int = 0           # hidden width of the dense FFN blocks (0 = 4 * n_embd)
-    router: str = 'topk'       # one of router.ROUTERS
+    router: str = 'topk'       # a key of router.ROUTERS
     seq_min_k: int = 1         # seqtopk per-token lower bound
     seq_max_k: int = 0         # seqtopk per-token upper bound; 0 = top_k + 2, n_exp = unbounded
     norm_topk_prob: bool = False  # renormalise the selected gate values to sum to 1 per token
@@ -45,14 +48,26 @@ class GPTConfig:
     seq_budget: str = 'plain'  # online seqtopk: 'plain' (the paper) or 'strict' (no prefix overspends)
 
     def validate(self):
-        """Raise ValueError with a one-line, actionable message for an impossible config."""
-        check_router(self.router, self.top_k, self.n_exp, self.seq_min_k, self.seq_max_k or None)
-        if self.n_embd % self.n_head:
-            raise ValueError(f"n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
-        if self.seq_budget not in ('plain', 'strict'):
-            raise ValueError(f"seq_budget must be 'plain' or 'strict', got '{self.seq_budget}'")
-        if self.moe_impl not in ('grouped', 'loop'):
-            raise ValueError(f"moe_impl must be 'grouped' or 'loop', got '{self.moe_impl}'")
+        """ValueError with a one-line, actionable message for an impossible config, in the words of the
+        command line ("--top_k=9 must be at most --n_exp=8"): train.py says it as it is."""
+        check(asdict(self), MODEL_RULES, [('n_embd', lambda c: c['n_embd'] % c['n_head'] == 0,
+                                           'a multiple of --n_head={n_head}')])
+        check_router(self)
+
+
+# what each model setting may be (configurator.py's vocabulary); the routers check the rest (router.py)
+MODEL_RULES = dict(
+    block_size=positive_int, vocab_size=positive_int, n_layer=positive_int, n_head=positive_int,
+    n_embd=positive_int, dropout=fraction, n_exp=positive_int, top_k=positive_int, exp_dim=positive_int,
+    moe_every=non_negative_int, mlp_dim=non_negative_int, seq_min_k=non_negative_int,
+    seq_max_k=non_negative_int, aux_loss_weight=non_negative, z_loss_weight=non_negative, threshold_decay=fraction,
+    relu_l1_init=positive, relu_l1_step=above(1), relu_threshold_step=non_negative,
+    moe_impl=one_of('grouped', 'loop'), seq_budget=one_of('plain', 'strict'),
+    router=Rule(lambda v: v in ROUTERS, 'one of ' + ', '.join(ROUTERS)))  # ROUTERS as it is when checked
+# settings that may change on resume or fine-tuning; the rest is architecture
+ROUTING_KEYS = {'router', 'top_k', 'seq_min_k', 'seq_max_k', 'norm_topk_prob', 'aux_loss_weight', 'z_loss_weight',
+                'threshold_decay', 'relu_l1_init', 'relu_l1_step', 'relu_l1_per_layer', 'relu_threshold_step',
+                'moe_impl', 'dropout', 'seq_causal', 'seq_budget'}
 
 
 class Cache:
@@ -133,113 +148,6 @@ class MLP(nn.Module):
 
     def forward(self, x):
         return self.dropout(self.c_proj(F.gelu(self.c_fc(x))))
-
-
-# -----------------------------------------------------------------------------
-# The expert matmuls, as two custom ops: torch.compile traces through them (their fake kernels give
-# the output shapes), so the model compiles to one graph, and in eager mode each picks its kernel.
-
-def grouped_kernel_ok(kernel, *mats):
-    """Whether to run torch._grouped_mm: it takes any float dtype on CPU, bf16 on CUDA GPUs of compute
-    capability 8.0 or more (other devices and older GPUs take the loop), and 16-byte aligned rows (or
-    columns, for a transposed operand)."""
-    return kernel and hasattr(torch, '_grouped_mm') and all(
-        (m.device.type == 'cpu' or m.device.type == 'cuda' and m.dtype == torch.bfloat16
-         and torch.cuda.get_device_capability(m.device) >= (8, 0))
-        and min(m.stride()[-2:]) == 1 and max(m.stride()[-2:]) * m.element_size() % 16 == 0 for m in mats)
-
-
-def expert_groups(offs):
-    """(expert, first row, end row) of each non-empty group; a host sync, so only the fallback uses it."""
-    ends = offs.tolist()
-    return [(e, start, end) for e, (start, end) in enumerate(zip([0] + ends[:-1], ends)) if end > start]
-
-
-def expert_matmul(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, kernel: bool) -> torch.Tensor:
-    """Each expert's rows of x times its matrix: x (P, C) grouped by expert, w (N, C, H) -> (P, H)."""
-    if grouped_kernel_ok(kernel, x, w):
-        return torch._grouped_mm(x, w, offs=offs)
-    out = x.new_empty(x.shape[0], w.shape[2])
-    for e, start, end in expert_groups(offs):  # one matmul per expert with tokens
-        torch.mm(x[start:end], w[e], out=out[start:end])
-    return out
-
-
-grouped_mm = torch.library.custom_op('seqmoe::grouped_mm', expert_matmul, mutates_args=())
-
-
-@torch.library.custom_op('seqmoe::grouped_mm_weight_grad', mutates_args=())
-def grouped_mm_weight_grad(x: torch.Tensor, grad: torch.Tensor, offs: torch.Tensor, kernel: bool) -> torch.Tensor:
-    """The gradient of grouped_mm's w: each expert's x rows, transposed, times its grad rows -> (N, C, H)."""
-    if grouped_kernel_ok(kernel, x.t(), grad):
-        return torch._grouped_mm(x.t(), grad, offs=offs)
-    out = x.new_zeros(offs.shape[0], x.shape[1], grad.shape[1])  # experts without tokens get zeros
-    for e, start, end in expert_groups(offs):
-        torch.mm(x[start:end].t(), grad[start:end], out=out[e])
-    return out
-
-
-@grouped_mm.register_fake
-def _(x, w, offs, kernel):
-    return x.new_empty(x.shape[0], w.shape[2])
-
-
-@grouped_mm_weight_grad.register_fake
-def _(x, grad, offs, kernel):
-    return x.new_empty(offs.shape[0], x.shape[1], grad.shape[1])
-
-
-def grouped_mm_setup(ctx, inputs, output):
-    x, w, offs, kernel = inputs
-    ctx.save_for_backward(x, w, offs)
-    ctx.kernel = kernel
-
-
-def grouped_mm_backward(ctx, grad):
-    x, w, offs = ctx.saved_tensors
-    grad = grad.contiguous()
-    grad_x = grouped_mm(grad, w.transpose(1, 2), offs, ctx.kernel) if ctx.needs_input_grad[0] else None
-    grad_w = grouped_mm_weight_grad(x, grad, offs, ctx.kernel) if ctx.needs_input_grad[1] else None
-    return grad_x, grad_w, None, None
-
-
-grouped_mm.register_autograd(grouped_mm_backward, setup_context=grouped_mm_setup)
-
-
-def dispatch(x, mask, weights, w_fc, w_proj, n_pairs=None, kernel=True):
-    """The one path from any routing mask to expert outputs.
-
-    x: (M, C) tokens; mask, weights: (M, N), any number of experts per token; w_fc: (N, C, H),
-    w_proj: (N, H, C), cast here to x's dtype (in decoding only the experts it uses: a bf16 step
-    then reads a few experts' weights, not all). Returns sum_i weights[:, i] * expert_i(x) of shape (M, C).
-    n_pairs: how many (token, expert) pairs the mask selects, when the router knows it in advance
-    (topk, offline seqtopk, batchtopk in training: M * top_k). Then every shape is fixed and nothing
-    waits on the device; None (relu, batchtopk's threshold, online seqtopk) finds them: one host sync.
-    kernel: use torch._grouped_mm where it can run (in inference with fewer pairs than experts, as in
-    decoding, one batched matmul over the pairs' gathered expert matrices), else one matmul per expert.
-    """
-    M, N = mask.shape
-    selected = mask.t().reshape(-1)  # expert-major: expert 0's tokens first, then expert 1's, ...
-    if n_pairs is None:  # a size known only on the host: that sync is unavoidable, and nonzero is it in one op
-        pair = selected.nonzero().squeeze(1)
-    else:  # the same pairs in a tensor of a size given in advance: no sync, no data-dependent shape
-        pair = torch.nonzero_static(selected, size=n_pairs).squeeze(1)
-    token_idx = pair % M
-    gate = weights.t().reshape(-1).index_select(0, pair)
-    inference = not torch.is_grad_enabled() and not torch.compiler.is_compiling()
-    if inference and kernel and pair.shape[0] < N:  # fewer pairs than experts (decoding): each pair's
-        # expert matrices gathered and one batched matmul; on CPU 2x faster than a matmul per expert
-        expert = pair // M
-        h = F.gelu(torch.bmm(x.index_select(0, token_idx).unsqueeze(1), w_fc.index_select(0, expert).to(x.dtype)))
-        y = torch.bmm(h * gate[:, None, None], w_proj.index_select(0, expert).to(x.dtype)).squeeze(1)
-        return torch.zeros_like(x).index_add_(0, token_idx, y)
-    w_fc, w_proj = w_fc.to(x.dtype), w_proj.to(x.dtype)
-    offs = mask.sum(0).cumsum(0).to(torch.int32)  # where each expert's group of rows ends
-    # the custom op is for autograd and compile; eager inference skips its dispatch cost
-    mm = expert_matmul if inference else grouped_mm
-    h = F.gelu(mm(x.index_select(0, token_idx), w_fc, offs, kernel))
-    y = mm(h * gate.unsqueeze(-1), w_proj, offs, kernel)  # scale the narrower h, not y
-    return torch.zeros_like(x).index_add_(0, token_idx, y)
 
 
 class MoE(nn.Module):
@@ -332,18 +240,18 @@ class GPT(nn.Module):
         weighted auxiliary loss and each MoE layer's routing (mask, scores) for statistics.
         cache: a Cache to decode with (idx are then the tokens after cache.pos); causal: route
         seqtopk by the online rule (default: config.seq_causal; always, when decoding).
-        moe_ks: mrltopk in training, the k of each MoE layer for this step (plain ints, e.g. from
-        router.mrltopk_draw with a seeded generator); None draws them from torch's default generator.
-        In training, relu's routers also record their active fractions for adapt_relu."""
+        moe_ks: in training, the k of each MoE layer for this step (plain ints, e.g. from
+        router.step_budgets with a seeded generator); None draws them from torch's default generator
+        (only mrltopk draws). In training, relu's routers also record their active fractions."""
         B, T = idx.shape
         start = 0 if cache is None else cache.pos
         if start + T > self.config.block_size:
             raise ValueError(f"sequence of length {start + T} is longer than block_size={self.config.block_size}")
         causal = (cache is not None or self.config.seq_causal) if causal is None else causal
-        routers = self.routers()
-        if self.config.router == 'mrltopk' and self.training:
-            moe_ks = mrltopk_draw(self.config.top_k, len(routers)) if moe_ks is None else moe_ks
-            for router, k in zip(routers, moe_ks, strict=True):
+        if self.training:  # this step's k of each MoE layer: the router's draw (mrltopk), else top_k
+            routers = self.routers()
+            for router, k in zip(routers, step_budgets(self.config, len(routers)) if moe_ks is None else moe_ks,
+                                 strict=True):
                 router.k = k
         pos = torch.arange(start, start + T, dtype=torch.long, device=idx.device)
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
@@ -362,28 +270,10 @@ class GPT(nn.Module):
         loss = F.cross_entropy(logits.flatten(0, 1), targets.reshape(-1), ignore_index=-1)
         return logits, loss, dict(aux_loss=aux_loss, routing=routing)
 
-    @torch.no_grad()
-    def adapt_relu(self):
-        """relu, once per optimizer step (after the ranks' router state is averaged), from the active
-        fractions measured in the training forwards since the last call (then cleared): lambda from
-        each layer's own (ReMoE: from their mean over every MoE layer, one lambda), and each layer's
-        ReLU threshold from its own. Nothing measured (no training forward): nothing changes."""
-        routers, cfg = self.routers(), self.config
-        if cfg.router != 'relu' or not routers:
-            return
-        for group in ([[r] for r in routers] if cfg.relu_l1_per_layer else [routers]):
-            count = sum(r.active_count for r in group)
-            active = sum(r.active_sum for r in group) / count.clamp_min(1)
-            l1_coef = torch.where(count > 0, next_relu_coef(group[0].l1_coef, active, cfg.top_k, cfg.n_exp,
-                                                            cfg.relu_l1_step), group[0].l1_coef)  # no host sync
-            for router in group:
-                router.l1_coef.copy_(l1_coef)
-        for router in routers:
-            active = router.active_sum / router.active_count.clamp_min(1)
-            router.threshold.copy_(torch.where(router.active_count > 0, next_relu_threshold(
-                router.threshold, active, cfg.top_k, cfg.n_exp, cfg.relu_threshold_step), router.threshold))
-            router.active_sum.zero_()
-            router.active_count.zero_()
+    def after_step(self):
+        """Once per optimizer step (train.py calls it after DDP has averaged the routers' state): the
+        routers' step rule, e.g. relu's controller, from what they measured in the step's forwards."""
+        step_rules(self.routers())
 
     def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
         params = [p for p in self.parameters() if p.requires_grad]

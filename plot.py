@@ -26,6 +26,8 @@ import matplotlib
 matplotlib.use('Agg')  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 
+from stats import layer_mean, summed_histogram  # noqa: E402
+
 
 def load_run(out_dir):
     path = os.path.join(out_dir, 'log.jsonl')
@@ -69,7 +71,7 @@ def plot_all(runs, out):
     fig, ax = figure('Expert load over training', 'iteration', 'load coefficient of variation (mean over layers)')
     for run in runs:
         its = [e['iter'] for e in run['evals']]
-        cvs = [sum(l['load_cv'] for l in e['layers']) / len(e['layers']) for e in run['evals']]
+        cvs = [layer_mean(e['layers'], 'load_cv') for e in run['evals']]
         ax.plot(its, cvs, marker='o', label=run['label'])
     written.append(save(fig, ax, out, 'load_variance.png'))
 
@@ -82,7 +84,7 @@ def plot_all(runs, out):
     fig, ax = figure('Experts per token (final eval, all MoE layers)', 'experts per token', 'share of tokens')
     width = 0.8 / len(runs)
     for i, run in enumerate(runs):
-        hist = [sum(col) for col in zip(*(l['experts_hist'] for l in run['final']['layers']))]
+        hist = summed_histogram(run['final']['layers'])
         total = sum(hist) or 1
         offset = (i - (len(runs) - 1) / 2) * width  # bars of the runs side by side around each count
         ax.bar([c + offset for c in range(len(hist))], [h / total for h in hist], width=width, label=run['label'])

@@ -1,20 +1,21 @@
 """
-The routers of "Route Expert by Sequence, Not by Token" (SeqTopK), as pure functions.
+The routers of "Route Expert by Sequence, Not by Token" (SeqTopK), as pure functions, and the one
+table that says everything else each router is.
 
 Every router maps router scores of shape (B, T, N) -- B sequences, T tokens, N experts,
 scores = softmax of the router logits -- to a bool mask of the same shape: mask[b, t, i] is
 True when token t of sequence b is sent to expert i. The model turns any mask into expert
-outputs through one dispatch path (model.py), so a new router is just a new function here.
+outputs through one dispatch path (experts.py).
 
-The Router module at the bottom owns the gate (a linear layer, run in fp32) and the little state
-two routers need (batchtopk's threshold; relu's regulariser coefficient and ReLU threshold), kept as
-buffers so it travels in checkpoints. The selection itself is always one of the pure functions above it.
+Adding a router: its selection as a pure function below, its row in ROUTERS (the table near the
+bottom: how many pairs it takes, any per-step draw, state or step rule), and a test. The Router
+module at the bottom is the same for every router: it runs the gate (in fp32) and then the row.
 """
+from collections import namedtuple
+
 import torch
 import torch.nn as nn
 from torch.nn import functional as F
-
-ROUTERS = ('topk', 'mrltopk', 'seqtopk', 'batchtopk', 'relu')
 
 
 def topk_mask(scores, k):
@@ -173,6 +174,17 @@ def relu_gates(logits, threshold=0.0):
     return F.relu(logits - threshold)
 
 
+# -----------------------------------------------------------------------------
+# gates, losses and step rules
+
+def routing_weights(scores, mask, renormalize=False):
+    """Gate values: the selected softmax scores, optionally renormalised to sum to 1 per token."""
+    weights = scores * mask
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True).clamp_min(1e-9)
+    return weights
+
+
 def switch_balance(probs, mask, k):
     # Switch load balance (Fedus et al.), Megatron's form: N * sum_e mean_t(probs_e) * tokens_e / (tokens * k).
     """ReMoE applies it to the ReLU gates as its sparsity-and-balance regulariser (thu-ml/ReMoE's
@@ -199,154 +211,201 @@ def next_relu_coef(l1_coef, active_frac, k, n_exp, step=1.2):
     return (l1_coef * torch.where(active_frac > k / n_exp, step, 1 / step)).clamp(1e-12, 1e3)
 
 
-def routing_weights(scores, mask, renormalize=False):
-    """Gate values: the selected softmax scores, optionally renormalised to sum to 1 per token."""
-    weights = scores * mask
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True).clamp_min(1e-9)
-    return weights
+# -----------------------------------------------------------------------------
+# each router's selection in the model (training, causal evaluation, decoding with a cache), and its state
+
+def seqtopk_select(router, scores, cache, causal):
+    """Offline SeqTopK in training; the online rule when causal (each token against the ones before it,
+    the Expert Cache holding those in decoding); a prompt routed jointly (cache, not causal) is offline."""
+    cfg = router.config
+    bounds = (cfg.top_k, cfg.seq_min_k, cfg.seq_max_k or None)
+    if cache is None and not causal:
+        return seqtopk_mask(scores, *bounds)
+    past, spent = (None, None) if cache is None else (cache.get('candidates'), cache.get('spent'))
+    if causal:
+        mask, candidates, spent = online_seqtopk_mask(scores, *bounds, past, spent, strict=cfg.seq_budget == 'strict')
+    else:
+        mask = seqtopk_mask(scores, *bounds)
+        min_k, max_k = seqtopk_bounds(cfg.top_k, cfg.n_exp, cfg.seq_min_k, cfg.seq_max_k or None)
+        candidates = scores.topk(max_k, dim=-1).values[..., min_k:]
+        spent = mask.sum(dim=(1, 2)) + (0 if spent is None else spent)
+    if cache is not None:  # the Expert Cache: every token's candidate scores, and the experts spent
+        cache.append('candidates', candidates)
+        cache['spent'] = spent
+    return mask
 
 
-def check_router(router, k, n_exp, min_k=1, max_k=None):
-    """ValueError with a one-line, actionable message for a router setting that cannot work."""
-    if router not in ROUTERS:
-        raise ValueError(f"unknown router '{router}': choose one of {', '.join(ROUTERS)}")
-    if router == 'seqtopk':
-        seqtopk_bounds(k, n_exp, min_k, max_k)
-    elif not 1 <= k <= n_exp:
-        raise ValueError(f"top_k={k} must be between 1 and n_exp={n_exp}")
+def batchtopk_select(router, scores, cache, causal):
+    """Training: the batch's top B*T*k, and the threshold follows the smallest selected score (an EMA);
+    evaluation and generation: that threshold, so a sequence never depends on the rest of the batch."""
+    if not router.training:
+        return threshold_mask(scores, router.threshold)
+    mask = batchtopk_mask(scores, router.config.top_k)
+    with torch.no_grad():
+        smallest = scores.masked_fill(~mask, float('inf')).min()
+        decay = torch.where(router.threshold > 0, router.config.threshold_decay, 0.0)
+        router.threshold.copy_(decay * router.threshold + (1 - decay) * smallest)
+    return mask
+
+
+def relu_route(router, logits):
+    """ReMoE's gates straight from the logits; in training, record the active fraction for relu_step."""
+    weights = relu_gates(logits, router.threshold)
+    mask = weights > 0
+    if router.training:
+        with torch.no_grad():
+            router.active_sum.add_(mask.float().mean())
+            router.active_count.add_(1)
+    return mask, weights
+
+
+def relu_loss(router, logits, scores, mask, weights):
+    # ReMoE's one regulariser, also its load balancer: lambda * the Switch formula on the gates (no
+    # z-loss: pulling logits down would close every ReLU gate; no softmax balance loss)
+    return router.l1_coef.clone() * switch_balance(weights, mask, router.config.top_k)
+
+
+@torch.no_grad()
+def relu_step(routers):
+    """Once per optimizer step (after the ranks' router state is averaged), from the active fractions
+    the layers measured in the training forwards since the last step (then cleared): lambda from each
+    layer's own (ReMoE: from their mean over every MoE layer, one lambda), and each layer's ReLU
+    threshold from its own. Nothing measured (no training forward): nothing changes."""
+    cfg = routers[0].config
+    for group in ([[r] for r in routers] if cfg.relu_l1_per_layer else [routers]):
+        count = sum(r.active_count for r in group)
+        active = sum(r.active_sum for r in group) / count.clamp_min(1)
+        l1_coef = torch.where(count > 0, next_relu_coef(group[0].l1_coef, active, cfg.top_k, cfg.n_exp,
+                                                        cfg.relu_l1_step), group[0].l1_coef)  # no host sync
+        for router in group:
+            router.l1_coef.copy_(l1_coef)
+    for router in routers:
+        active = router.active_sum / router.active_count.clamp_min(1)
+        router.threshold.copy_(torch.where(router.active_count > 0, next_relu_threshold(
+            router.threshold, active, cfg.top_k, cfg.n_exp, cfg.relu_threshold_step), router.threshold))
+        router.active_sum.zero_()
+        router.active_count.zero_()
+
+
+def seqtopk_check(cfg):
+    """The per-token bounds must contain top_k, so that a sequence can spend exactly T*top_k."""
+    max_k = cfg.seq_max_k or cfg.top_k + 2
+    if cfg.seq_min_k > cfg.top_k:
+        raise ValueError(f"--seq_min_k={cfg.seq_min_k} must be at most --top_k={cfg.top_k} "
+                         f"(the per-token bounds must contain top_k)")
+    if max_k < cfg.top_k:
+        raise ValueError(f"--seq_max_k={cfg.seq_max_k} must be 0 (= top_k + 2) or at least --top_k={cfg.top_k} "
+                         f"(the per-token bounds must contain top_k)")
+
+
+# One row per router: everything the model and train.py need to know of it.
+#   select(router, scores, cache, causal) -> mask, from the softmax scores; or
+#   route(router, logits) -> (mask, gates), for a router whose gates are not the selected scores (relu)
+#   exact(router, causal): the selection takes exactly top_k pairs per token (the current k in training),
+#     known before it runs, so the dispatch has static shapes and never waits on the device
+#   draw(k, n_layers, generator): each MoE layer's k for one training step (default: top_k)
+#   loss(router, logits, scores, mask, gates): the auxiliary loss (default: Switch balance + z-loss)
+#   step(routers): a step rule, once per optimizer step, over every MoE layer's router
+#   state: the buffers it keeps (saved in checkpoints, averaged over DDP ranks after every step)
+#   calibrate(router): whether an evaluation-only run must first set its state from training batches
+#   online: it routes a token differently when it may see only the tokens before it (causal evaluation)
+#   check(config): ValueError for settings it cannot route with (besides 1 <= top_k <= n_exp)
+Spec = namedtuple('Spec', 'select route exact draw loss step state calibrate online check',
+                  defaults=(None, None, lambda router, causal: False, None, None, None, (), None, False, None))
+ROUTERS = {
+    'topk': Spec(select=lambda router, scores, cache, causal: topk_mask(scores, router.budget()),
+                 exact=lambda router, causal: True),
+    # training: this step's draw (router.k); evaluation and generation: top_k
+    'mrltopk': Spec(select=lambda router, scores, cache, causal: topk_mask(scores, router.budget()),
+                    exact=lambda router, causal: True, draw=mrltopk_draw),
+    'seqtopk': Spec(select=seqtopk_select, exact=lambda router, causal: not causal, online=True, check=seqtopk_check),
+    'batchtopk': Spec(select=batchtopk_select, exact=lambda router, causal: router.training, state=('threshold',),
+                      calibrate=lambda router: bool(router.threshold <= 0)),
+    'relu': Spec(route=relu_route, loss=relu_loss, step=relu_step,
+                 state=('threshold', 'l1_coef', 'active_sum', 'active_count')),
+}
+
+
+def check_router(cfg):
+    """ValueError with a one-line, actionable message for router settings that cannot work."""
+    if cfg.router not in ROUTERS:
+        raise ValueError(f"unknown router '{cfg.router}': choose one of {', '.join(ROUTERS)}")
+    if not cfg.top_k <= cfg.n_exp:
+        raise ValueError(f"--top_k={cfg.top_k} must be at most --n_exp={cfg.n_exp}")
+    if ROUTERS[cfg.router].check:
+        ROUTERS[cfg.router].check(cfg)
+
+
+def step_budgets(cfg, n_layers, generator=None):
+    """Each MoE layer's k for one training step, as plain ints: the router's draw (a seeded generator
+    makes it a function of the step), else top_k for every layer."""
+    draw = ROUTERS[cfg.router].draw
+    return draw(cfg.top_k, n_layers, generator) if draw else [cfg.top_k] * n_layers
+
+
+def step_rules(routers):
+    """Once per optimizer step: the routers' step rule, if theirs has one."""
+    if routers and ROUTERS[routers[0].config.router].step:
+        ROUTERS[routers[0].config.router].step(routers)
 
 
 class Router(nn.Module):
     """Token features (B, T, C) -> mask (B, T, N), gate weights (B, T, N), scores, auxiliary loss.
 
     config fields used: n_embd, n_exp, router, top_k, seq_min_k, seq_max_k (0 = top_k + 2), seq_budget,
-    norm_topk_prob, aux_loss_weight, z_loss_weight, threshold_decay, relu_l1_init (the step rules are
-    applied by GPT.adapt_relu).
+    norm_topk_prob, aux_loss_weight, z_loss_weight, threshold_decay, relu_* (see the ROUTERS row).
     """
 
     def __init__(self, config):
         super().__init__()
-        check_router(config.router, config.top_k, config.n_exp, config.seq_min_k, config.seq_max_k or None)
+        check_router(config)
         self.config = config
+        self.spec = ROUTERS[config.router]
         self.gate = nn.Linear(config.n_embd, config.n_exp, bias=False)
-        # mrltopk: the k this layer routes with in the current training step (GPT.forward sets it)
-        self.k = config.top_k
-        # batchtopk: EMA of the smallest selected score in training (0 = not yet seen a batch);
-        # relu: the logit at which this layer's ReLU gates open (0 = ReMoE's ReLU)
+        self.k = config.top_k  # experts per token in this training step (a draw can change it per step)
+        # the state a router may keep (its row's `state`); every router has the buffers, so that every
+        # checkpoint has the same keys. batchtopk: EMA of the smallest selected score in training (0 = not
+        # yet seen a batch); relu: the logit at which this layer's ReLU gates open (0 = ReMoE's ReLU),
+        # ReMoE's regulariser coefficient lambda (this layer's, or one value for the whole model, each layer
+        # a copy), and the sum and count of the active fractions since relu_step last ran
         self.register_buffer('threshold', torch.zeros(()))
-        # relu: ReMoE's regulariser coefficient lambda (this layer's, or one value for the whole model,
-        # each layer a copy), and the sum and count of this layer's active fractions over the training
-        # forwards since GPT.adapt_relu last stepped lambda and the threshold
         self.register_buffer('l1_coef', torch.tensor(float(config.relu_l1_init)))
         self.register_buffer('active_sum', torch.zeros(()))
         self.register_buffer('active_count', torch.zeros(()))
 
     def budget(self):
-        """Experts per token this layer routes with now: mrltopk's draw in training, else top_k."""
-        return self.k if self.config.router == 'mrltopk' and self.training else self.config.top_k
+        """Experts per token this layer routes with now: this step's k in training, else top_k."""
+        return self.k if self.training else self.config.top_k
 
     def fixed_pairs(self, n_tokens, causal=False):
         """How many (token, expert) pairs the selection of n_tokens makes, when that is known before it
         runs (the exact budgets), else None. The dispatch then runs with static shapes and no sync."""
-        cfg = self.config
-        exact = (cfg.router in ('topk', 'mrltopk') or (cfg.router == 'seqtopk' and not causal)
-                 or (cfg.router == 'batchtopk' and self.training))
-        return n_tokens * self.budget() if exact else None
+        return n_tokens * self.budget() if self.spec.exact(self, causal) else None
 
-    def select(self, scores, cache=None, causal=False):
-        cfg = self.config
-        if cfg.router == 'topk':
-            return topk_mask(scores, cfg.top_k)
-        if cfg.router == 'mrltopk':  # training: this step's draw; evaluation and generation: top_k
-            return topk_mask(scores, self.budget())
-        if cfg.router == 'seqtopk':
-            bounds = (cfg.top_k, cfg.seq_min_k, cfg.seq_max_k or None)
-            if cache is None and not causal:
-                return seqtopk_mask(scores, *bounds)
-            past, spent = (None, None) if cache is None else (cache.get('candidates'), cache.get('spent'))
-            if causal:  # online SeqTopK: each token against the tokens before it
-                mask, candidates, spent = online_seqtopk_mask(scores, *bounds, past, spent,
-                                                              strict=cfg.seq_budget == 'strict')
-            else:  # a prompt routed jointly (offline SeqTopK), then cached for decoding
-                mask = seqtopk_mask(scores, *bounds)
-                min_k, max_k = seqtopk_bounds(cfg.top_k, cfg.n_exp, cfg.seq_min_k, cfg.seq_max_k or None)
-                candidates = scores.topk(max_k, dim=-1).values[..., min_k:]
-                spent = mask.sum(dim=(1, 2)) + (0 if spent is None else spent)
-            if cache is not None:  # the Expert Cache: every token's candidate scores, and experts spent
-                cache.append('candidates', candidates)
-                cache['spent'] = spent
-            return mask
-        # batchtopk
-        if not self.training:  # batchtopk at evaluation and generation
-            return threshold_mask(scores, self.threshold)
-        mask = batchtopk_mask(scores, cfg.top_k)
-        with torch.no_grad():
-            smallest = scores.masked_fill(~mask, float('inf')).min()
-            decay = torch.where(self.threshold > 0, cfg.threshold_decay, 0.0)
-            self.threshold.copy_(decay * self.threshold + (1 - decay) * smallest)
-        return mask
+    def state(self):
+        """The buffers this router keeps up to date (its row's state): averaged over DDP ranks, logged."""
+        return {name: getattr(self, name) for name in self.spec.state}
+
+    def needs_calibration(self):
+        return bool(self.spec.calibrate and self.spec.calibrate(self))
 
     def forward(self, x, cache=None, causal=False):
         """cache: this layer's dict in a generation's Cache (decoding: no auxiliary loss, nothing to
-        train); causal: route seqtopk by the online rule (each token against the tokens before it)
-        rather than the whole sequence."""
+        train); causal: route by the online rule (each token against the tokens before it), for the
+        routers that have one, rather than the whole sequence."""
         cfg = self.config
         # fp32 even under autocast: ranking near-tied scores must not depend on bf16 rounding
         with torch.autocast(device_type=x.device.type, enabled=False):
             logits = F.linear(x.float(), self.gate.weight.float())
         scores = logits.softmax(dim=-1)
-        aux_loss = 0.0
-        if cfg.router == 'relu':
-            weights = relu_gates(logits, self.threshold)
-            mask = weights > 0
-            # ReMoE's one regulariser, also its load balancer: lambda * Switch formula on the gates
-            # (no z-loss: pulling logits down would close every ReLU gate; no softmax balance loss)
-            if cache is None:
-                aux_loss = self.l1_coef.clone() * switch_balance(weights, mask, cfg.top_k)
-            if self.training:
-                with torch.no_grad():
-                    self.active_sum.add_(mask.float().mean())
-                    self.active_count.add_(1)
+        if self.spec.route:
+            mask, weights = self.spec.route(self, logits)
         else:
-            mask = self.select(scores, cache, causal)
+            mask = self.spec.select(self, scores, cache, causal)
             weights = routing_weights(scores, mask, cfg.norm_topk_prob)
-            if cache is None:
-                aux_loss = (cfg.aux_loss_weight * switch_balance(scores, mask, self.budget())
-                            + cfg.z_loss_weight * logits.logsumexp(dim=-1).square().mean())  # router z-loss
+        aux_loss = 0.0
+        if cache is None:
+            aux_loss = (self.spec.loss(self, logits, scores, mask, weights) if self.spec.loss else
+                        cfg.aux_loss_weight * switch_balance(scores, mask, self.budget())
+                        + cfg.z_loss_weight * logits.logsumexp(dim=-1).square().mean())  # router z-loss
         return mask, weights, scores, aux_loss
-
-
-# -----------------------------------------------------------------------------
-# the routing statistics the paper plots (Fig. 4, 5), from counts accumulated over evaluation batches
-
-def routing_counts(masks, entropy, k, bins=10):
-    """One batch's counts, to be summed over batches. masks: (layers, B, T, N), each MoE layer's
-    selection; entropy: (B, T), each token's predictive entropy / log V, in [0, 1]. Per layer the
-    experts-per-token histogram (N + 1) and the expert load (N); the mean over sequences of experts per
-    token (mean over layers) at each position; per entropy bin the tokens and their experts; and the worst
-    prefix overspend, experts taken by tokens 1..m beyond m * k (what the online budget promises never happens)."""
-    per_token = masks.sum(-1)  # (layers, B, T)
-    experts = per_token.float().mean(0)  # (B, T)
-    binned = (entropy * bins).long().clamp(0, bins - 1).flatten()
-    return dict(hist=torch.stack([torch.bincount(c.flatten(), minlength=masks.shape[-1] + 1) for c in per_token]),
-                load=masks.sum(dim=(1, 2)), by_position=experts.mean(0),
-                bin_count=torch.bincount(binned, minlength=bins),
-                bin_experts=torch.bincount(binned, weights=experts.flatten(), minlength=bins),
-                overspend=int((per_token.cumsum(-1) - k * torch.arange(1, per_token.shape[-1] + 1)).max()))
-
-
-def routing_stats(hist, load):
-    """hist[c] = tokens that took c experts (c = 0..N); load[e] = tokens sent to expert e."""
-    hist, load = hist.double(), load.double()
-    counts = torch.arange(len(hist), dtype=torch.float64)
-    used = counts[hist > 0]
-    share = load / load.sum().clamp_min(1)  # the probability that an assignment goes to expert e
-    entropy = -(share * share.clamp_min(1e-12).log()).sum() / torch.log(torch.tensor(float(len(load))))
-    return dict(
-        experts_mean=float((hist * counts).sum() / hist.sum()), experts_min=int(used.min()),
-        experts_max=int(used.max()), experts_hist=[int(h) for h in hist],
-        load=[int(n) for n in load], load_var=float(load.var(unbiased=False)),
-        load_cv=float(load.std(unbiased=False) / load.mean().clamp_min(1e-12)),
-        dead_experts=int((load == 0).sum()), entropy=float(entropy),
-    )

@@ -10,10 +10,10 @@ import sys
 import torch
 
 import checkpoint as ckpt_io
-from configurator import (apply_overrides, autocast_for, device_name, keep_freed_cpu_memory, non_empty, non_negative,
-                          non_negative_int, one_of, positive_int, validate)
+from configurator import configure, device_name, non_empty, non_negative, non_negative_int, one_of, positive_int
 from model import GPT, GPTConfig
 from prepare import get_codec
+from runtime import autocast_for, keep_freed_cpu_memory
 
 # -----------------------------------------------------------------------------
 out_dir = 'out'            # where train.py wrote ckpt.pt
@@ -35,9 +35,7 @@ RULES = dict(out_dir=non_empty, start=non_empty, num_samples=positive_int, max_n
              dtype=one_of('auto', 'float32', 'bfloat16', 'float16'), prompt_routing=one_of('online', 'joint'))
 RELATIONS = [('prompt_routing', lambda c: c['prompt_routing'] == 'online' or c['use_cache'],
               "'online' with --use_cache=False (recomputing would re-route the prompt)")]
-apply_overrides(globals(), sys.argv[1:])
-validate({k: v for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str))},
-         RULES, RELATIONS)
+configure(globals(), sys.argv[1:], RULES, RELATIONS)
 
 
 def fail(message):

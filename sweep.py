@@ -17,19 +17,18 @@ Writes out_root/sweep.json (rows, per-run records) and out_root/sweep.csv (rows)
 """
 import csv
 import json
-import math
 import os
 import subprocess
 import sys
 import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
-from functools import lru_cache
 
 import numpy as np
 
-from configurator import Rule, apply_overrides, each, non_empty, non_negative_int, one_of, positive_int, validate
+from configurator import Rule, configure, each, non_empty, non_negative_int, one_of, positive_int
 from router import ROUTERS
+from stats import format_difference, mean_std, paired_difference
 
 # -----------------------------------------------------------------------------
 out_root = 'sweeps/cpu'
@@ -88,54 +87,6 @@ def train(out_dir, *args):
             if subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env).returncode != 0:
                 raise SystemExit(f"error: run failed, see {out_dir}.out")
     return last_eval(out_dir)
-
-
-# -----------------------------------------------------------------------------
-# paired statistics: routers trained with the same seed share the initialisation and the batches
-
-@lru_cache(maxsize=None)
-def t_quantile(p, df):
-    """Student's t quantile for p > 0.5 (no scipy): bisection on the CDF, whose density is integrated
-    by Simpson's rule. t_quantile(0.975, 1) = 12.706, (0.975, 2) = 4.303, (0.975, 30) = 2.042."""
-    log_c = math.lgamma((df + 1) / 2) - math.lgamma(df / 2) - 0.5 * math.log(df * math.pi)
-
-    def cdf(x, n=2000):  # P(T <= x), x >= 0
-        f = [math.exp(log_c - (df + 1) / 2 * math.log1p((x * i / n) ** 2 / df)) for i in range(n + 1)]
-        return 0.5 + x / n / 3 * (f[0] + f[-1] + 4 * sum(f[1:-1:2]) + 2 * sum(f[2:-1:2]))
-    lo, hi = 0.0, 100.0
-    for _ in range(50):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if cdf(mid) < p else (lo, mid)
-    return (lo + hi) / 2
-
-
-def paired_difference(a, b, level=0.95):
-    """a, b: {seed: value}. The mean over the seeds both have of a[seed] - b[seed], with its t-interval
-    (mean +- t * sd / sqrt(n)); low and high are None with a single seed."""
-    diffs = [a[s] - b[s] for s in sorted(a) if s in b and a[s] is not None and b[s] is not None]
-    if not diffs:
-        return dict(mean=None, low=None, high=None, n=0)
-    mean, n = float(np.mean(diffs)), len(diffs)
-    if n == 1:
-        return dict(mean=mean, low=None, high=None, n=1)
-    half = t_quantile(0.5 + level / 2, n - 1) * float(np.std(diffs, ddof=1)) / math.sqrt(n)
-    return dict(mean=mean, low=mean - half, high=mean + half, n=n)
-
-
-def format_difference(d):
-    if d['mean'] is None:
-        return ''
-    if d['low'] is None:
-        return f"{d['mean']:+.4f} (1 seed: no interval)"
-    return f"{d['mean']:+.4f} [{d['low']:+.4f}, {d['high']:+.4f}]"
-
-
-def mean_std(values):
-    values = [v for v in values if v is not None]
-    if not values:
-        return '', None
-    return (f"{np.mean(values):.4f} ± {np.std(values):.4f}" if len(values) > 1 else f"{values[0]:.4f}"), \
-        float(np.mean(values))
 
 
 # -----------------------------------------------------------------------------
@@ -214,9 +165,7 @@ def run_all(runs):
 
 
 def main():
-    apply_overrides(globals(), sys.argv[1:])
-    validate({k: v for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str))},
-             RULES)
+    configure(globals(), sys.argv[1:], RULES)
     ks, seed_list, router_list = ([int(k) for k in top_ks.split(',')], [int(s) for s in seeds.split(',')],
                                   routers.split(','))
     if router_list[0] != 'topk':

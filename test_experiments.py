@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from test_scripts import TINY, run  # the scripts as subprocesses, networking off, one thread
+from conftest import TINY, run  # the scripts as subprocesses, networking off, one thread
 
 
 # -----------------------------------------------------------------------------
@@ -16,12 +16,12 @@ from test_scripts import TINY, run  # the scripts as subprocesses, networking of
 
 @pytest.mark.parametrize("df,expected", [(1, 12.706), (2, 4.303), (4, 2.776), (9, 2.262), (30, 2.042)])
 def test_t_quantiles_match_the_printed_tables(df, expected):
-    from sweep import t_quantile
+    from stats import t_quantile
     assert t_quantile(0.975, df) == pytest.approx(expected, abs=1e-3)
 
 
 def test_paired_difference_matches_a_hand_computation():
-    from sweep import paired_difference
+    from stats import paired_difference
     router = {1: 1.00, 2: 1.10, 3: 0.95, 4: 2.0}  # seed 4 has no topk partner: left out
     topk = {1: 0.90, 2: 1.05, 3: 0.95}
     # differences 0.10, 0.05, 0.00: mean 0.05, sample sd 0.05, se 0.05 / sqrt(3); t(0.975, 2) = 4.3027
@@ -34,7 +34,7 @@ def test_paired_difference_matches_a_hand_computation():
 
 
 def test_one_seed_gives_a_difference_and_no_interval():
-    from sweep import format_difference, paired_difference
+    from stats import format_difference, paired_difference
     d = paired_difference({1: 1.2}, {1: 1.0})
     assert d == dict(mean=pytest.approx(0.2), low=None, high=None, n=1)
     assert format_difference(d) == '+0.2000 (1 seed: no interval)'
@@ -42,14 +42,6 @@ def test_one_seed_gives_a_difference_and_no_interval():
 
 # -----------------------------------------------------------------------------
 # sweeps, end to end on the tiny preset (seconds)
-
-@pytest.fixture(scope='module')
-def workdir(tmp_path_factory):
-    path = tmp_path_factory.mktemp('experiments')
-    result = run('prepare.py', cwd=path)
-    assert result.returncode == 0, result.stderr
-    return path
-
 
 def table(stdout):
     return [line for line in stdout.splitlines() if line.startswith('| ') and not line.startswith('| ---')]
@@ -74,7 +66,7 @@ def test_a_pretraining_sweep_adds_dense_rows_and_paired_differences(workdir):
     router_params = 2 * 32 * 4  # the MoE's gates, 2 layers of n_embd x n_exp
     assert active['params'] == moe['active_params'] - router_params  # same active parameters
     # the statistic in the table is the paired one, recomputed here from the runs themselves
-    from sweep import paired_difference
+    from stats import paired_difference
     ce = {r['name']: r['val_ce_offline'] for r in summary['runs']}
     row = next(r for r in summary['rows'] if r['router'] == 'mrltopk' and r['K'] == 4)
     d = paired_difference({s: ce[f'mrltopk-k4-s{s}'] for s in (1, 2)}, {s: ce[f'topk-k4-s{s}'] for s in (1, 2)})

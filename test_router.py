@@ -1,6 +1,7 @@
 """
-The paper's claims as tests: the routers, training with each of them, online SeqTopK and the caches.
-The dispatch and compile are in test_model.py, the scripts in test_scripts.py. Run: python -m pytest -q
+The paper's claims about the routers as tests: each router's selection, training with each of them,
+relu's controller, online SeqTopK, and that a router lives in one place (router.py's table).
+Run: python -m pytest -q
 """
 import itertools
 
@@ -8,18 +9,14 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import counting_batches, random_scores, tiny_config, train_tiny
 from model import GPT, GPTConfig
-from router import ROUTERS, check_router, mrltopk_budgets, mrltopk_draw, seqtopk_mask, switch_balance, topk_mask
-
-
-def random_scores(B, T, N, seed=0, ties=False):
-    g = torch.Generator().manual_seed(seed)
-    logits = torch.randint(0, 3, (B, T, N), generator=g).float() if ties else torch.randn(B, T, N, generator=g)
-    return logits.softmax(-1)
+from router import (ROUTERS, Spec, check_router, mrltopk_budgets, mrltopk_draw, seqtopk_mask, switch_balance,
+                    topk_mask)
 
 
 # -----------------------------------------------------------------------------
-# routers
+# the selections
 
 def test_topk_takes_exactly_k_experts_per_token():
     scores = random_scores(3, 17, 8)
@@ -137,41 +134,70 @@ def test_infeasible_budgets_raise_a_clear_error(k, min_k, max_k):
 
 def test_unknown_router_is_a_clear_error():
     with pytest.raises(ValueError, match="unknown router 'top2'"):
-        check_router('top2', 2, 8)
+        check_router(GPTConfig(router='top2'))
     with pytest.raises(ValueError, match="n_exp"):
         GPTConfig(n_exp=4, top_k=5).validate()
 
 
 # -----------------------------------------------------------------------------
+# online SeqTopK: each token against the tokens before it
+
+def test_online_seqtopk_routes_token_m_as_seqtopk_over_tokens_1_to_m():
+    from router import online_seqtopk_mask
+    for ties in (False, True):
+        for k, min_k, max_k in [(2, 1, None), (2, 0, 8), (3, 1, 8), (2, 2, 2)]:
+            scores = random_scores(3, 40, 8, seed=k, ties=ties)  # 40 tokens: over two blocks of 16 and a part
+            mask, _, _ = online_seqtopk_mask(scores, k, min_k, max_k)
+            prefix_rule = torch.stack([seqtopk_mask(scores[:, :m], k, min_k, max_k)[:, m - 1]
+                                       for m in range(1, 41)], dim=1)
+            assert torch.equal(mask, prefix_rule)
+            # the same routing when the sequence arrives in pieces, the earlier ones in the Expert Cache
+            past, spent, pieces = None, None, []
+            for start, end in [(0, 5), (5, 6), (6, 13), (13, 14), (14, 37), (37, 40)]:
+                piece, rows, spent = online_seqtopk_mask(scores[:, start:end], k, min_k, max_k, past, spent)
+                past = rows if past is None else torch.cat([past, rows], dim=1)
+                pieces.append(piece)
+            assert torch.equal(torch.cat(pieces, dim=1), mask) and torch.equal(spent, mask.sum(dim=(1, 2)))
+
+
+def test_online_seqtopk_routes_each_sequence_of_a_large_batch_as_it_would_alone():
+    # a large batch is counted in chunks that bound memory (the blocks of a sequence, the new tokens
+    # against the Expert Cache); a sequence's routing must not depend on the chunking
+    from router import online_seqtopk_mask
+    scores = random_scores(64, 576, 16, seed=5, ties=True)
+    mask, rows, spent = online_seqtopk_mask(scores[:, :512], 4)
+    more, _, more_spent = online_seqtopk_mask(scores[:, 512:], 4, past=rows, spent=spent)
+    for b in (0, 41, 63):
+        alone, alone_rows, alone_spent = online_seqtopk_mask(scores[b:b + 1, :512], 4)
+        alone_more, _, _ = online_seqtopk_mask(scores[b:b + 1, 512:], 4, past=alone_rows, spent=alone_spent)
+        assert torch.equal(mask[b:b + 1], alone) and torch.equal(more[b:b + 1], alone_more)
+    assert torch.equal(more_spent, mask.sum(dim=(1, 2)) + more.sum(dim=(1, 2)))
+
+
+def test_online_seqtopk_is_causal_and_starts_as_topk():
+    from router import online_seqtopk_mask
+    scores = random_scores(2, 24, 8, seed=1)
+    mask, _, _ = online_seqtopk_mask(scores, 2)
+    assert torch.equal(mask[:, 0], topk_mask(scores[:, :1], 2)[:, 0])  # position 1 is routed as topk
+    for m in (1, 7, 15):
+        changed = scores.clone()
+        changed[:, m:] = random_scores(2, 24 - m, 8, seed=99 + m)
+        assert torch.equal(online_seqtopk_mask(changed, 2)[0][:, :m], mask[:, :m])
+
+
+def test_strict_budget_never_overspends_a_prefix_while_plain_can():
+    from router import online_seqtopk_mask
+    scores = random_scores(16, 64, 8, seed=2, ties=True)
+    budget = 2 * torch.arange(1, 65)
+    plain, _, _ = online_seqtopk_mask(scores, 2)
+    strict, _, spent = online_seqtopk_mask(scores, 2, strict=True)
+    assert (plain.sum(-1).cumsum(-1) > budget).any()  # the paper's plain rule does overspend
+    assert (strict.sum(-1).cumsum(-1) <= budget).all()
+    assert (strict.sum(-1) >= 1).all() and torch.equal(spent, strict.sum(dim=(1, 2)))
+
+
+# -----------------------------------------------------------------------------
 # the model trains with every router
-
-def tiny_config(router, **kw):
-    settings = dict(block_size=32, vocab_size=16, n_layer=2, n_head=2, n_embd=32, n_exp=4, top_k=2, exp_dim=32)
-    return GPTConfig(router=router, **{**settings, **kw})
-
-
-def counting_batches(seed=0, B=8, T=32):
-    """A learnable language: counting upward mod 16 from a random start."""
-    g = torch.Generator().manual_seed(seed)
-    while True:
-        seq = (torch.randint(0, 16, (B, 1), generator=g) + torch.arange(T + 1)) % 16
-        yield seq[:, :-1], seq[:, 1:]
-
-
-def train_tiny(model, steps, lr=3e-3, check=None):
-    opt = model.configure_optimizers(0.0, lr, (0.9, 0.99), 'cpu')
-    losses = []
-    for _, (x, y) in zip(range(steps), counting_batches()):
-        _, ce, aux = model(x, y)
-        (ce + aux['aux_loss']).backward()
-        opt.step()
-        opt.zero_grad()
-        model.adapt_relu()  # relu's lambda, once per step (a no-op for the other routers)
-        losses.append(ce.item())
-        if check:
-            check(aux['routing'])
-    return losses
-
 
 @pytest.mark.parametrize("router", ROUTERS)
 def test_a_tiny_model_learns_with_each_router(router):
@@ -269,7 +295,7 @@ def test_relu_steps_lambda_once_per_step_from_the_layer_mean_or_each_layer(per_l
     model = GPT(tiny_config('relu', n_exp=8, n_layer=3, relu_l1_per_layer=per_layer))  # target 2/8 active
     routers = model.routers()
     x = torch.randint(0, 16, (2, 16), generator=torch.Generator().manual_seed(0))
-    model.adapt_relu()
+    model.after_step()
     assert routers[0].l1_coef.item() == pytest.approx(1e-8)  # nothing measured yet: lambda_0 unchanged
     for router in routers:  # every logit 0: layer 0 fully open (its ReLU opens at -1), layers 1-2 shut
         torch.nn.init.zeros_(router.gate.weight)
@@ -279,7 +305,7 @@ def test_relu_steps_lambda_once_per_step_from_the_layer_mean_or_each_layer(per_l
         _, _, aux = model(x)
         fractions.append([mask.float().mean().item() for mask, _ in aux['routing']])
     assert np.mean(fractions, axis=0).tolist() == [1.0, 0.0, 0.0]  # the mean over layers, 1/3, is too dense
-    model.adapt_relu()
+    model.after_step()
     expected = [1e-8 * 1.2, 1e-8 / 1.2, 1e-8 / 1.2] if per_layer else [1e-8 * 1.2] * 3
     assert [r.l1_coef.item() for r in routers] == pytest.approx(expected)
     # each layer's threshold moves by step x its own relative error (active - 1/4) / (1/4), never above 0
@@ -288,7 +314,7 @@ def test_relu_steps_lambda_once_per_step_from_the_layer_mean_or_each_layer(per_l
     assert all(r.active_count.item() == 0 for r in routers)  # measurements cleared after the step
     model.eval()
     model(x)
-    model.adapt_relu()  # evaluation measures nothing: nothing changes
+    model.after_step()  # evaluation measures nothing: nothing changes
     assert [r.l1_coef.item() for r in routers] == pytest.approx(expected)
 
 
@@ -301,7 +327,7 @@ def test_a_relu_layer_with_every_gate_shut_reopens_through_its_threshold(thresho
         torch.nn.init.zeros_(router.gate.weight)  # every logit 0: every gate shut at threshold 0
     for _ in range(2):
         _, _, aux = model(x)
-        model.adapt_relu()
+        model.after_step()
     assert all((mask.sum() > 0) == (threshold_step > 0) for mask, _ in aux['routing'])
 
 
@@ -322,119 +348,20 @@ def test_dense_layers_between_moe_layers():
     assert len(aux['routing']) == 1  # 2 layers, every second one MoE
 
 
-# -----------------------------------------------------------------------------
-# causal decoding: online SeqTopK, the Expert Cache and the KV cache
-
-def test_online_seqtopk_routes_token_m_as_seqtopk_over_tokens_1_to_m():
-    from router import online_seqtopk_mask
-    for ties in (False, True):
-        for k, min_k, max_k in [(2, 1, None), (2, 0, 8), (3, 1, 8), (2, 2, 2)]:
-            scores = random_scores(3, 40, 8, seed=k, ties=ties)  # 40 tokens: over two blocks of 16 and a part
-            mask, _, _ = online_seqtopk_mask(scores, k, min_k, max_k)
-            prefix_rule = torch.stack([seqtopk_mask(scores[:, :m], k, min_k, max_k)[:, m - 1]
-                                       for m in range(1, 41)], dim=1)
-            assert torch.equal(mask, prefix_rule)
-            # the same routing when the sequence arrives in pieces, the earlier ones in the Expert Cache
-            past, spent, pieces = None, None, []
-            for start, end in [(0, 5), (5, 6), (6, 13), (13, 14), (14, 37), (37, 40)]:
-                piece, rows, spent = online_seqtopk_mask(scores[:, start:end], k, min_k, max_k, past, spent)
-                past = rows if past is None else torch.cat([past, rows], dim=1)
-                pieces.append(piece)
-            assert torch.equal(torch.cat(pieces, dim=1), mask) and torch.equal(spent, mask.sum(dim=(1, 2)))
-
-
-def test_online_seqtopk_routes_each_sequence_of_a_large_batch_as_it_would_alone():
-    # a large batch is counted in chunks that bound memory (the blocks of a sequence, the new tokens
-    # against the Expert Cache); a sequence's routing must not depend on the chunking
-    from router import online_seqtopk_mask
-    scores = random_scores(64, 576, 16, seed=5, ties=True)
-    mask, rows, spent = online_seqtopk_mask(scores[:, :512], 4)
-    more, _, more_spent = online_seqtopk_mask(scores[:, 512:], 4, past=rows, spent=spent)
-    for b in (0, 41, 63):
-        alone, alone_rows, alone_spent = online_seqtopk_mask(scores[b:b + 1, :512], 4)
-        alone_more, _, _ = online_seqtopk_mask(scores[b:b + 1, 512:], 4, past=alone_rows, spent=alone_spent)
-        assert torch.equal(mask[b:b + 1], alone) and torch.equal(more[b:b + 1], alone_more)
-    assert torch.equal(more_spent, mask.sum(dim=(1, 2)) + more.sum(dim=(1, 2)))
-
-
-def test_online_seqtopk_is_causal_and_starts_as_topk():
-    from router import online_seqtopk_mask
-    scores = random_scores(2, 24, 8, seed=1)
-    mask, _, _ = online_seqtopk_mask(scores, 2)
-    assert torch.equal(mask[:, 0], topk_mask(scores[:, :1], 2)[:, 0])  # position 1 is routed as topk
-    for m in (1, 7, 15):
-        changed = scores.clone()
-        changed[:, m:] = random_scores(2, 24 - m, 8, seed=99 + m)
-        assert torch.equal(online_seqtopk_mask(changed, 2)[0][:, :m], mask[:, :m])
-
-
-def test_strict_budget_never_overspends_a_prefix_while_plain_can():
-    from router import online_seqtopk_mask
-    scores = random_scores(16, 64, 8, seed=2, ties=True)
-    budget = 2 * torch.arange(1, 65)
-    plain, _, _ = online_seqtopk_mask(scores, 2)
-    strict, _, spent = online_seqtopk_mask(scores, 2, strict=True)
-    assert (plain.sum(-1).cumsum(-1) > budget).any()  # the paper's plain rule does overspend
-    assert (strict.sum(-1).cumsum(-1) <= budget).all()
-    assert (strict.sum(-1) >= 1).all() and torch.equal(spent, strict.sum(dim=(1, 2)))
-
-
-def trained_tiny(router, **kw):
+def test_a_new_router_is_one_function_and_a_row_in_the_table(monkeypatch):
+    # "the best expert, and the next k-1 in a fixed rotation": not useful, but nothing else is needed
+    def rotating_mask(scores, k):
+        first = scores.argmax(-1, keepdim=True)
+        chosen = (first + torch.arange(k)) % scores.shape[-1]
+        return torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, chosen, True)
+    monkeypatch.setitem(ROUTERS, 'rotating', Spec(
+        select=lambda router, scores, cache, causal: rotating_mask(scores, router.budget()),
+        exact=lambda router, causal: True))
     torch.manual_seed(0)
-    model = GPT(tiny_config(router, **kw))
-    train_tiny(model, 10)
-    return model.eval()
-
-
-@pytest.mark.parametrize("router,kw", [("seqtopk", {}), ("seqtopk", {'seq_budget': 'strict'}), ("topk", {}),
-                                       ("mrltopk", {}), ("batchtopk", {}), ("relu", {})])
-def test_the_expert_cache_routes_decoding_exactly_like_the_causal_prefix_rule(router, kw):
-    from model import Cache
-    model = trained_tiny(router, **kw)
-    seq = next(counting_batches(seed=3, B=2))[0][:, :24]
-    seq[:, 10:] = torch.randint(0, 16, (2, 14))  # off-pattern tokens make routing vary more
-    logits_tf, _, tf = model(seq, seq, causal=True)  # teacher forcing, one pass
-    cache = Cache(model.config.n_layer)
-    steps = [model(seq[:, :6], seq[:, :6], cache=cache)]  # the prompt
-    steps += [model(seq[:, m:m + 1], seq[:, m:m + 1], cache=cache) for m in range(6, 24)]
-    for layer, (mask_tf, _) in enumerate(tf['routing']):
-        assert torch.equal(torch.cat([aux['routing'][layer][0] for _, _, aux in steps], dim=1), mask_tf)
-    torch.testing.assert_close(torch.cat([logits for logits, _, _ in steps], dim=1), logits_tf,
-                               rtol=1e-4, atol=1e-4)
-    if router == 'seqtopk':
-        # the Expert Cache holds every token's scores of rank min_k..max_k-1 (here 1..3 of 4 experts)
-        assert cache.layers[0]['candidates'].shape == (2, 24, 3)
-
-
-@pytest.mark.parametrize("router", ROUTERS)
-def test_kv_cached_generation_equals_full_recompute(router):
-    model = trained_tiny(router)
+    model = GPT(tiny_config('rotating'))
+    losses = train_tiny(model, 30)
+    assert np.mean(losses[-5:]) < 0.7 * np.mean(losses[:5])
+    model.eval()
     prompt = torch.randint(0, 16, (2, 5), generator=torch.Generator().manual_seed(1))
-    cached = model.generate(prompt, 25, temperature=0, use_cache=True)
-    recomputed = model.generate(prompt, 25, temperature=0, use_cache=False)
-    assert torch.equal(cached, recomputed)
-
-
-def test_causal_routing_in_the_model_ignores_later_tokens():
-    model = trained_tiny('seqtopk')
-    seq = torch.randint(0, 16, (2, 30), generator=torch.Generator().manual_seed(4))
-    _, _, before = model(seq, causal=True)
-    changed = seq.clone()
-    changed[:, 12:] = (changed[:, 12:] + 5) % 16
-    _, _, after = model(changed, causal=True)
-    for (mask_a, _), (mask_b, _) in zip(before['routing'], after['routing']):
-        assert torch.equal(mask_a[:, :12], mask_b[:, :12])
-
-
-def test_a_prompt_routed_jointly_takes_offline_seqtopk_then_decodes_online():
-    from model import Cache
-    model = trained_tiny('seqtopk')
-    seq = torch.randint(0, 16, (2, 20), generator=torch.Generator().manual_seed(6))
-    cache = Cache(model.config.n_layer)
-    _, _, prompt = model(seq[:, :12], cache=cache, causal=False)  # what prompt_routing='joint' does
-    _, _, offline = model(seq[:, :12], causal=False)
-    for (mask_p, _), (mask_o, _) in zip(prompt['routing'], offline['routing']):
-        assert torch.equal(mask_p, mask_o)
-    assert torch.equal(cache.layers[0]['spent'], torch.full((2,), 12 * 2))  # exact budget on the prompt
-    _, _, step = model(seq[:, 12:13], cache=cache)
-    assert all(mask.shape == (2, 1, 4) and mask.sum() >= 2 for mask, _ in step['routing'])
+    assert torch.equal(model.generate(prompt, 10, temperature=0), model.generate(prompt, 10, temperature=0,
+                                                                                 use_cache=False))

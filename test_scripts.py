@@ -19,42 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-REPO = os.path.dirname(os.path.abspath(__file__))
-TINY = os.path.join(REPO, 'config', 'tiny.py')
-# one thread: these tiny runs do not gain from more, and stay fast on a busy machine
-OFFLINE_ENV = dict(os.environ, HF_DATASETS_OFFLINE='1', HF_HUB_OFFLINE='1', PYTHONUNBUFFERED='1', OMP_NUM_THREADS='1')
-
-
-def run(script, *args, cwd, env=OFFLINE_ENV):
-    return subprocess.run([sys.executable, os.path.join(REPO, script), *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=300)
-
-
-def one_error_line(result):
-    """The run failed with exactly one line on stderr, an `error:` line, and no traceback."""
-    assert result.returncode != 0 and 'Traceback' not in result.stderr, result.stderr
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith('error: '), result.stderr
-    return lines[0]
-
-
-def exit_message(script, args, monkeypatch):
-    """Run a script in this process, as `python script args` would, up to its SystemExit."""
-    monkeypatch.setattr(sys, 'argv', [script, *args])
-    with pytest.raises(SystemExit) as stopped:
-        runpy.run_path(os.path.join(REPO, script), run_name='__main__')
-    return str(stopped.value.code)
-
-
-@pytest.fixture(scope='module')
-def workdir(tmp_path_factory):
-    """Built-in data and one finished 10-step run in run/ (ckpt.pt at step 10)."""
-    path = tmp_path_factory.mktemp('scripts')
-    assert run('prepare.py', cwd=path).returncode == 0
-    result = run('train.py', TINY, '--max_iters=10', '--out_dir=run', cwd=path)
-    assert result.returncode == 0, result.stderr
-    return path
-
+from conftest import OFFLINE_ENV, REPO, TINY, exit_message, one_error_line, run
 
 # -----------------------------------------------------------------------------
 # settings
@@ -63,7 +28,7 @@ def numeric_settings(script):
     """The int and float settings at the top of a script (module-level constants before apply_overrides)."""
     names = []
     for node in ast.parse(open(os.path.join(REPO, script)).read()).body:
-        if 'apply_overrides(' in ast.unparse(node):
+        if 'configure(' in ast.unparse(node):
             break
         if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant) and \
                 type(node.value.value) in (int, float):
@@ -450,9 +415,9 @@ def test_ddp_on_two_cpu_processes_matches_one_process_with_the_same_global_batch
     assert a['iter'] == b['iter'] == 6
     assert abs(a['val_ce'] - b['val_ce']) < 1e-4 and abs(a['train_ce'] - b['train_ce']) < 1e-4
     if router == 'relu':  # the same lambda and thresholds, and they moved
-        for key in ('l1_coef', 'relu_threshold'):
+        for key in ('l1_coef', 'threshold'):
             assert [l[key] for l in a['layers']] == pytest.approx([l[key] for l in b['layers']], rel=1e-5, abs=1e-7)
-        assert all(l['l1_coef'] != 0.01 for l in a['layers']) and any(l['relu_threshold'] < 0 for l in a['layers'])
+        assert all(l['l1_coef'] != 0.01 for l in a['layers']) and any(l['threshold'] < 0 for l in a['layers'])
 
 
 @pytest.mark.parametrize("router", ["seqtopk", "batchtopk", "mrltopk", "relu"])

@@ -15,7 +15,7 @@ import shlex
 import signal
 import sys
 import time
-from dataclasses import asdict, fields
+from dataclasses import asdict
 
 import numpy as np
 import torch
@@ -23,10 +23,12 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import checkpoint as ckpt_io
-from configurator import (Rule, above, apply_overrides, autocast_for, device_name, fraction, keep_freed_cpu_memory,
-                          non_empty, non_negative, non_negative_int, one_of, positive, positive_int, validate)
-from model import GPT, GPTConfig
-from router import ROUTERS, mrltopk_draw, routing_counts, routing_stats
+from configurator import (Rule, configure, device_name, fraction, non_empty, non_negative, non_negative_int, one_of,
+                          positive, positive_int)
+from model import GPT, GPTConfig, ROUTING_KEYS
+from router import step_budgets
+from runtime import autocast_for, keep_freed_cpu_memory
+from stats import layer_mean, routing_counts, routing_stats
 
 # -----------------------------------------------------------------------------
 # I/O
@@ -84,50 +86,41 @@ dtype = 'auto'                  # 'auto', 'float32', 'bfloat16', 'float16'
 compile = False
 seed = 1337
 # -----------------------------------------------------------------------------
-# what each setting may be (configurator.py), checked before anything runs or out_dir is looked at
+# what each of train.py's own settings may be (configurator.py), checked before anything runs or out_dir is
+# looked at; the model's settings are checked by GPTConfig.validate (model.py)
 RULES = dict(
     out_dir=non_empty, eval_interval=positive_int, eval_iters=positive_int, log_interval=positive_int,
     init_from=Rule(lambda v: v in ('scratch', 'resume') or os.path.isfile(v),
                    "'scratch', 'resume' or the path of an existing ckpt.pt"),
-    dataset=non_empty, batch_size=positive_int, block_size=positive_int, gradient_accumulation_steps=positive_int,
-    n_layer=positive_int, n_head=positive_int, n_embd=positive_int, dropout=fraction, n_exp=positive_int,
-    top_k=positive_int, exp_dim=positive_int, moe_every=non_negative_int, mlp_dim=non_negative_int,
-    router=one_of(*ROUTERS), seq_min_k=non_negative_int, seq_max_k=non_negative_int,
-    aux_loss_weight=non_negative, z_loss_weight=non_negative, threshold_decay=fraction,
-    relu_l1_init=positive, relu_l1_step=above(1), relu_threshold_step=non_negative, moe_impl=one_of('grouped', 'loop'),
-    seq_budget=one_of('plain', 'strict'), learning_rate=positive, max_iters=non_negative_int,
-    weight_decay=non_negative, beta1=fraction, beta2=fraction, grad_clip=non_negative,
-    warmup_iters=non_negative_int, lr_decay_iters=non_negative_int, min_lr=non_negative,
+    dataset=non_empty, batch_size=positive_int, gradient_accumulation_steps=positive_int,
+    learning_rate=positive, max_iters=non_negative_int, weight_decay=non_negative, beta1=fraction, beta2=fraction,
+    grad_clip=non_negative, warmup_iters=non_negative_int, lr_decay_iters=non_negative_int, min_lr=non_negative,
     device=device_name, dtype=one_of('auto', 'float32', 'bfloat16', 'float16'), seed=non_negative_int)
 RELATIONS = [('min_lr', lambda c: c['min_lr'] <= c['learning_rate'], 'at most --learning_rate={learning_rate}')]
-MODEL_RELATIONS = [  # on the model's settings: when resuming or fine-tuning, checked after the checkpoint's are merged
-    ('top_k', lambda c: c['top_k'] <= c['n_exp'], 'at most --n_exp={n_exp}'),
-    ('n_embd', lambda c: c['n_embd'] % c['n_head'] == 0, 'a multiple of --n_head={n_head}'),
-    ('seq_min_k', lambda c: c['router'] != 'seqtopk' or c['seq_min_k'] <= c['top_k'],
-     'at most --top_k={top_k} (the per-token bounds must contain top_k)'),
-    ('seq_max_k', lambda c: c['router'] != 'seqtopk' or c['seq_max_k'] == 0 or c['seq_max_k'] >= c['top_k'],
-     '0 (= top_k + 2) or at least --top_k={top_k} (the per-token bounds must contain top_k)'),
-]
-overridden = apply_overrides(globals(), sys.argv[1:])
-config = {k: globals()[k] for k in sorted(globals()) if not k.startswith('_') and
-          isinstance(globals()[k], (int, float, bool, str)) and k not in ('overridden',)}
-validate(config, RULES, RELATIONS + (MODEL_RELATIONS if init_from == 'scratch' else []))
+config, overridden = configure(globals(), sys.argv[1:], RULES, RELATIONS)
 t_begin = time.time()
-MODEL_KEYS = [f.name for f in fields(GPTConfig)]
-# settings that may change on resume or fine-tuning; the rest is architecture
-ROUTING_KEYS = {'router', 'top_k', 'seq_min_k', 'seq_max_k', 'norm_topk_prob', 'aux_loss_weight', 'z_loss_weight',
-                'threshold_decay', 'relu_l1_init', 'relu_l1_step', 'relu_l1_per_layer', 'relu_threshold_step',
-                'moe_impl', 'dropout', 'seq_causal', 'seq_budget'}
+ddp = 'RANK' in os.environ  # distributed data parallel when launched by torchrun: NCCL on GPUs, gloo on CPU
+rank, world_size = (int(os.environ['RANK']), int(os.environ['WORLD_SIZE'])) if ddp else (0, 1)
+master_process = rank == 0
 
 
 def fail(message):
     raise SystemExit(f"error: {message}" if master_process else 1)  # under torchrun, rank 0 says it once
 
 
-# distributed data parallel when launched by torchrun: NCCL on GPUs, gloo on CPU
-ddp = 'RANK' in os.environ
-rank, world_size = (int(os.environ['RANK']), int(os.environ['WORLD_SIZE'])) if ddp else (0, 1)
-master_process = rank == 0
+def model_config(model_args):
+    """The GPTConfig of these settings, or the one line saying which one it cannot have."""
+    try:
+        checked = GPTConfig(**model_args)
+        checked.validate()
+    except ValueError as e:
+        fail(e)
+    return checked
+
+
+model_args = {k: config[k] for k in ckpt_io.MODEL_KEYS if k in config}
+if init_from == 'scratch':  # resuming or fine-tuning: checked once merged with the checkpoint's settings
+    model_config(model_args)
 if device == 'auto':
     device = 'cuda' if torch.cuda.is_available() else 'cpu'
 device_type = 'cuda' if device.startswith('cuda') else device
@@ -195,7 +188,6 @@ def get_batch(split, generator=batch_gen):
 
 # -----------------------------------------------------------------------------
 # model, optimizer, and (for resume) the checkpoint they continue from
-model_args = {k: config[k] for k in MODEL_KEYS if k in config}
 model_args['vocab_size'] = meta['vocab_size']
 iter_num, best_val_loss, checkpoint = 0, float('inf'), None
 ckpt_path = os.path.join(out_dir, 'ckpt.pt')
@@ -216,16 +208,13 @@ if source is not None:  # resume a run, or fine-tune (a new run) from another ru
     if checkpoint['model_args'].get('vocab_size') != meta['vocab_size']:
         fail(f"{source} has vocab_size={checkpoint['model_args'].get('vocab_size')}, but {data_dir} has "
              f"{meta['vocab_size']}; use the dataset it was trained on (--dataset={checkpoint.get('dataset')})")
-    validate(model_args, {}, MODEL_RELATIONS)
+    model_config(model_args)
     if init_from == 'resume':
         iter_num, best_val_loss = checkpoint['iter_num'], checkpoint['best_val_loss']
 if init_from != 'resume' and os.path.exists(ckpt_path) and not overwrite and not eval_only:
     fail(f"{out_dir}/ already holds a run; continue it with --init_from=resume, "
          f"or pick another --out_dir, or pass --overwrite=True to replace it")
-try:
-    model = GPT(GPTConfig(**model_args))
-except ValueError as e:
-    fail(e)
+model = GPT(model_config(model_args))
 if checkpoint is not None:
     ckpt_io.load_weights(model, checkpoint, source, quiet=not master_process)
 model.to(device)
@@ -251,10 +240,9 @@ routers = raw_model.routers()  # none in a dense GPT (--moe_every=0)
 
 def sync_router_state():
     """Average the routers' running state over the ranks, so every rank routes identically."""
-    if ddp and cfg.router in ('batchtopk', 'relu'):
-        for buffer in (b for router in routers for b in router.buffers()):
-            dist.all_reduce(buffer, op=dist.ReduceOp.SUM)
-            buffer.div_(world_size)
+    for buffer in (b for r in routers for b in r.state().values()) if ddp else ():
+        dist.all_reduce(buffer, op=dist.ReduceOp.SUM)
+        buffer.div_(world_size)
 
 
 if master_process:
@@ -301,24 +289,19 @@ def evaluate(split, causal=None, entropy_bins=10):
 
 def estimate_loss():
     """Train/val losses and per-layer routing statistics on val (experts per token, expert load,
-    entropy; relu lambda and active fraction, batchtopk threshold). For seqtopk the val loss is
-    measured with offline (whole-sequence) and causal (online) routing: offline routing lets a
-    token's expert count depend on later tokens, so the causal number is the one generation reaches."""
+    entropy; the routers' state, e.g. relu's lambda, batchtopk's threshold). For a router with an online
+    rule (seqtopk) the val loss is measured with offline (whole-sequence) and causal (online) routing:
+    offline routing lets a token's expert count depend on later tokens, so the causal number is the one
+    generation reaches."""
     model.eval()
     losses = {'train': evaluate('train')[0]}
     losses['val'], hist, load = evaluate('val')
-    if cfg.router == 'seqtopk':  # 'val' is whichever of the two the model trains with
+    if any(r.spec.online for r in routers):  # 'val' is whichever of the two the model trains with
         other = 'val_offline' if cfg.seq_causal else 'val_causal'
         losses['val_causal' if cfg.seq_causal else 'val_offline'] = losses['val']
         losses[other] = evaluate('val', causal=not cfg.seq_causal)[0]
-    layers = []
-    for layer, router in enumerate(routers):
-        stats = routing_stats(hist[layer], load[layer])
-        if cfg.router == 'relu':
-            stats.update(l1_coef=router.l1_coef.item(), relu_threshold=router.threshold.item())
-        if cfg.router == 'batchtopk':
-            stats.update(threshold=router.threshold.item())
-        layers.append(stats)
+    layers = [dict(routing_stats(hist[i], load[i]), **{name: value.item() for name, value in r.state().items()})
+              for i, r in enumerate(routers)]
     model.train()
     return losses, layers
 
@@ -390,9 +373,9 @@ saved_iter = checkpoint['iter_num'] if init_from == 'resume' else None  # this r
 stop_signal = None  # set by request_stop
 signal.signal(signal.SIGTERM, request_stop)
 signal.signal(signal.SIGINT, request_stop)
-if eval_only and cfg.router == 'batchtopk' and any(r.threshold.item() <= 0 for r in routers):
-    # a checkpoint never trained with batchtopk has no threshold (<= 0 passes every expert): set it as
-    # training does, from eval_iters training batches in training mode, without a gradient step
+if eval_only and any(r.needs_calibration() for r in routers):
+    # e.g. batchtopk on a checkpoint never trained with it has no threshold (<= 0 passes every expert): set
+    # it as training does, from eval_iters training batches in training mode, without a gradient step
     calibration = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for _ in range(eval_iters):
@@ -415,8 +398,8 @@ while True:
                   if 'val_causal' in losses else '')
         routing = (" | experts/token " + ' '.join(f"{l['experts_mean']:.2f}[{l['experts_min']}-{l['experts_max']}]"
                                                   for l in layers) +
-                   f" | load cv {np.mean([l['load_cv'] for l in layers]):.3f}, "
-                   f"entropy {np.mean([l['entropy'] for l in layers]):.3f}" if layers else '')
+                   f" | load cv {layer_mean(layers, 'load_cv'):.3f}, entropy {layer_mean(layers, 'entropy'):.3f}"
+                   if layers else '')
         print(f"step {iter_num}: train ce {losses['train']['ce']:.4f}, val ce {losses['val']['ce']:.4f}{causal}, "
               f"val aux {losses['val']['aux']:.4f}{routing}")
         log(dict(event='eval', iter=iter_num, lr=lr, time=time.time() - t_start, layers=layers, **{
@@ -429,10 +412,9 @@ while True:
         break
 
     step_loss = 0.0
-    # mrltopk: every MoE layer's k for this step, a function of (seed, step) alone: the same on every
-    # rank and micro-step, and a resumed run redraws exactly what the straight run drew
-    moe_ks = (mrltopk_draw(cfg.top_k, len(routers), torch.Generator().manual_seed(seed * 1_000_003 + iter_num))
-              if cfg.router == 'mrltopk' else None)
+    # every MoE layer's k for this step (mrltopk draws them), a function of (seed, step) alone: the same on
+    # every rank and micro-step, and a resumed run redraws exactly what the straight run drew
+    moe_ks = step_budgets(cfg, len(routers), torch.Generator().manual_seed(seed * 1_000_003 + iter_num))
     for micro_step in range(gradient_accumulation_steps):
         if ddp:  # gradients are all-reduced on the last micro-step only
             model.require_backward_grad_sync = micro_step == gradient_accumulation_steps - 1
@@ -458,7 +440,7 @@ while True:
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
     sync_router_state()
-    raw_model.adapt_relu()  # relu: ReMoE's lambda and the layers' thresholds, once per step
+    raw_model.after_step()  # the routers' step rule, e.g. relu's lambda and thresholds
     iter_num += 1
 
     if iter_num % log_interval == 0 and master_process:
@@ -488,8 +470,7 @@ if master_process:  # the run's summary, also the last line of log.jsonl (sweep.
                    init_from=init_from, eval_only=eval_only, val_ce=losses['val']['ce'],
                    val_ce_offline=losses.get('val_offline', losses['val'])['ce'],
                    val_ce_causal=losses['val_causal']['ce'] if 'val_causal' in losses else None,
-                   **{k: float(np.mean([l[k] for l in layers])) if layers else None
-                      for k in ('experts_mean', 'load_cv', 'entropy')})
+                   **{k: layer_mean(layers, k) for k in ('experts_mean', 'load_cv', 'entropy')})
     log(summary)
     causal = f", causal routing {summary['val_ce_causal']:.4f}" if 'val_causal' in losses else ''
     routing = (f", experts/token {summary['experts_mean']:.2f}, load cv {summary['load_cv']:.3f}, "

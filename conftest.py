@@ -1,0 +1,117 @@
+"""
+What the tests share: a tiny model and a learnable toy language to train it on, the scripts run as
+subprocesses (offline, one thread), and the built-in data prepared once per test session.
+Run: python -m pytest -q
+"""
+import os
+import runpy
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from model import GPT, GPTConfig
+
+REPO = os.path.dirname(os.path.abspath(__file__))
+TINY = os.path.join(REPO, 'config', 'tiny.py')
+# one thread: these tiny runs do not gain from more, and stay fast on a busy machine
+OFFLINE_ENV = dict(os.environ, HF_DATASETS_OFFLINE='1', HF_HUB_OFFLINE='1', PYTHONUNBUFFERED='1', OMP_NUM_THREADS='1')
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+# -----------------------------------------------------------------------------
+# a tiny model and what it learns
+
+def random_scores(B, T, N, seed=0, ties=False):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randint(0, 3, (B, T, N), generator=g).float() if ties else torch.randn(B, T, N, generator=g)
+    return logits.softmax(-1)
+
+
+def tiny_config(router, **kw):
+    settings = dict(block_size=32, vocab_size=16, n_layer=2, n_head=2, n_embd=32, n_exp=4, top_k=2, exp_dim=32)
+    return GPTConfig(router=router, **{**settings, **kw})
+
+
+def counting_batches(seed=0, B=8, T=32):
+    """A learnable language: counting upward mod 16 from a random start."""
+    g = torch.Generator().manual_seed(seed)
+    while True:
+        seq = (torch.randint(0, 16, (B, 1), generator=g) + torch.arange(T + 1)) % 16
+        yield seq[:, :-1], seq[:, 1:]
+
+
+def train_tiny(model, steps, lr=3e-3, check=None):
+    opt = model.configure_optimizers(0.0, lr, (0.9, 0.99), 'cpu')
+    losses = []
+    for _, (x, y) in zip(range(steps), counting_batches()):
+        _, ce, aux = model(x, y)
+        (ce + aux['aux_loss']).backward()
+        opt.step()
+        opt.zero_grad()
+        model.after_step()  # the routers' step rule, once per step (relu's lambda; a no-op for most)
+        losses.append(ce.item())
+        if check:
+            check(aux['routing'])
+    return losses
+
+
+def trained_tiny(router, **kw):
+    torch.manual_seed(0)
+    model = GPT(tiny_config(router, **kw))
+    train_tiny(model, 10)
+    return model.eval()
+
+
+def train_step(model, x, y):
+    """Loss and gradients of one training step (forward + backward)."""
+    model.zero_grad()
+    _, ce, aux = model(x, y)
+    (ce + aux['aux_loss']).backward()
+    return ce.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+# -----------------------------------------------------------------------------
+# the scripts
+
+def run(script, *args, cwd, env=OFFLINE_ENV):
+    return subprocess.run([sys.executable, os.path.join(REPO, script), *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def one_error_line(result):
+    """The run failed with exactly one line on stderr, an `error:` line, and no traceback."""
+    assert result.returncode != 0 and 'Traceback' not in result.stderr, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith('error: '), result.stderr
+    return lines[0]
+
+
+def exit_message(script, args, monkeypatch):
+    """Run a script in this process, as `python script args` would, up to its SystemExit."""
+    monkeypatch.setattr(sys, 'argv', [script, *args])
+    with pytest.raises(SystemExit) as stopped:
+        runpy.run_path(os.path.join(REPO, script), run_name='__main__')
+    return str(stopped.value.code)
+
+
+@pytest.fixture(scope='session')
+def prepared(tmp_path_factory):
+    """A folder whose data/ holds the built-in dataset (characters), prepared once for the whole session."""
+    path = tmp_path_factory.mktemp('prepared')
+    result = run('prepare.py', cwd=path)
+    assert result.returncode == 0, result.stderr
+    return path
+
+
+@pytest.fixture(scope='module')
+def workdir(prepared, tmp_path_factory):
+    """A folder of the module's own with the built-in data and one finished 10-step run in run/ (ckpt.pt
+    at step 10)."""
+    path = tmp_path_factory.mktemp('work')
+    shutil.copytree(prepared / 'data', path / 'data')
+    result = run('train.py', TINY, '--max_iters=10', '--out_dir=run', cwd=path)
+    assert result.returncode == 0, result.stderr
+    return path

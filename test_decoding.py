@@ -1,0 +1,91 @@
+"""
+Decoding as tests: the KV cache and the Expert Cache route and predict exactly as the teacher-forced
+causal pass, cached generation equals full recompute, and a bf16 step reads only the experts it uses.
+Run: python -m pytest -q
+"""
+import pytest
+import torch
+
+from conftest import counting_batches, needs_cuda, trained_tiny
+from model import Cache
+from router import ROUTERS
+
+
+# -----------------------------------------------------------------------------
+# the caches
+
+@pytest.mark.parametrize("router,kw", [("seqtopk", {}), ("seqtopk", {'seq_budget': 'strict'}), ("topk", {}),
+                                       ("mrltopk", {}), ("batchtopk", {}), ("relu", {})])
+def test_the_expert_cache_routes_decoding_exactly_like_the_causal_prefix_rule(router, kw):
+    model = trained_tiny(router, **kw)
+    seq = next(counting_batches(seed=3, B=2))[0][:, :24]
+    seq[:, 10:] = torch.randint(0, 16, (2, 14))  # off-pattern tokens make routing vary more
+    logits_tf, _, tf = model(seq, seq, causal=True)  # teacher forcing, one pass
+    cache = Cache(model.config.n_layer)
+    steps = [model(seq[:, :6], seq[:, :6], cache=cache)]  # the prompt
+    steps += [model(seq[:, m:m + 1], seq[:, m:m + 1], cache=cache) for m in range(6, 24)]
+    for layer, (mask_tf, _) in enumerate(tf['routing']):
+        assert torch.equal(torch.cat([aux['routing'][layer][0] for _, _, aux in steps], dim=1), mask_tf)
+    torch.testing.assert_close(torch.cat([logits for logits, _, _ in steps], dim=1), logits_tf,
+                               rtol=1e-4, atol=1e-4)
+    if router == 'seqtopk':
+        # the Expert Cache holds every token's scores of rank min_k..max_k-1 (here 1..3 of 4 experts)
+        assert cache.layers[0]['candidates'].shape == (2, 24, 3)
+
+
+@pytest.mark.parametrize("router", ROUTERS)
+def test_kv_cached_generation_equals_full_recompute(router):
+    model = trained_tiny(router)
+    prompt = torch.randint(0, 16, (2, 5), generator=torch.Generator().manual_seed(1))
+    cached = model.generate(prompt, 25, temperature=0, use_cache=True)
+    recomputed = model.generate(prompt, 25, temperature=0, use_cache=False)
+    assert torch.equal(cached, recomputed)
+
+
+def test_causal_routing_in_the_model_ignores_later_tokens():
+    model = trained_tiny('seqtopk')
+    seq = torch.randint(0, 16, (2, 30), generator=torch.Generator().manual_seed(4))
+    _, _, before = model(seq, causal=True)
+    changed = seq.clone()
+    changed[:, 12:] = (changed[:, 12:] + 5) % 16
+    _, _, after = model(changed, causal=True)
+    for (mask_a, _), (mask_b, _) in zip(before['routing'], after['routing']):
+        assert torch.equal(mask_a[:, :12], mask_b[:, :12])
+
+
+def test_a_prompt_routed_jointly_takes_offline_seqtopk_then_decodes_online():
+    model = trained_tiny('seqtopk')
+    seq = torch.randint(0, 16, (2, 20), generator=torch.Generator().manual_seed(6))
+    cache = Cache(model.config.n_layer)
+    _, _, prompt = model(seq[:, :12], cache=cache, causal=False)  # what prompt_routing='joint' does
+    _, _, offline = model(seq[:, :12], causal=False)
+    for (mask_p, _), (mask_o, _) in zip(prompt['routing'], offline['routing']):
+        assert torch.equal(mask_p, mask_o)
+    assert torch.equal(cache.layers[0]['spent'], torch.full((2,), 12 * 2))  # exact budget on the prompt
+    _, _, step = model(seq[:, 12:13], cache=cache)
+    assert all(mask.shape == (2, 1, 4) and mask.sum() >= 2 for mask, _ in step['routing'])
+
+
+def test_a_bf16_decoding_step_casts_only_the_experts_it_uses_and_matches_fp32():
+    from torch.profiler import profile
+    model = trained_tiny('topk', n_exp=8)  # n_embd = exp_dim = 32: every expert stack is (n_exp, 32, 32)
+    prompt = next(counting_batches(seed=3, B=1))[0][:, :12]
+    logits = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        with torch.inference_mode(), torch.autocast('cpu', dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+            cache = Cache(model.config.n_layer)
+            model(prompt, cache=cache)
+            with profile(record_shapes=True) as prof:
+                logits[dtype] = model(prompt[:, -1:], cache=cache)[0].float()
+    casts = [e.input_shapes[0] for e in prof.events() if e.name == 'aten::_to_copy']
+    assert [2, 32, 32] in casts and [8, 32, 32] not in casts  # the token's top-2 experts, not all 8
+    want = logits[torch.float32]
+    torch.testing.assert_close(logits[torch.bfloat16], want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
+
+
+@needs_cuda
+def test_cuda_cached_generation_equals_full_recompute():
+    model = trained_tiny('seqtopk').cuda()
+    prompt = torch.randint(0, 16, (2, 5), generator=torch.Generator().manual_seed(1)).cuda()
+    cached = model.generate(prompt, 25, temperature=0, use_cache=True)
+    assert torch.equal(cached, model.generate(prompt, 25, temperature=0, use_cache=False))
