@@ -5,18 +5,19 @@ Benchmarks, measured side by side in one run and printed as Markdown tables.
     python bench.py --what=route             # the routing alone: each router's selection, per call
     python bench.py --what=train             # training step time per router, default and larger model
     python bench.py --what=moe               # the MoE layer alone vs a dense FFN with the same active params
-    python bench.py --what=decode            # long context: caches vs recompute, seqtopk vs topk
+    python bench.py --what=decode            # long context: caches vs recompute, seqtopk vs topk, eager vs compiled
     python bench.py --device=cuda --dtype=bfloat16 --compile=True --json_out=bench.json
 
 Models are randomly initialised (speed does not depend on training). Each time is the median of
 `repeats` timed rounds after a warm-up round (`moe_repeats` for the MoE layer), the variants taking
 turns in each round; each ratio is the median of the per-round ratios, printed with their middle
 half, so a drift between rounds moves neither and the noise is in plain view (decoding: totals over
-all rounds, the routers and the cached and recomputing ways taking turns every 16 steps). Targets
-on CPU: seqtopk / topk training step time <= 1.03; MoE layer / dense FFN (fwd + bwd) <= 1.5 at 64
-experts, top-8; long-context decoding with seqtopk at >= 0.95x topk's speed, and the KV + Expert
-Cache >= 10x faster than recomputing. On a GPU (bf16):
-MoE / dense <= 1.3 and seqtopk / topk step time <= 1.02.
+all rounds, the routers and ways, cached eager, cached compiled and recomputing, taking turns every 16
+steps). Targets on CPU: seqtopk / topk training step time <= 1.03; MoE layer / dense FFN (fwd + bwd)
+<= 1.5 at 64 experts, top-8; the compiled decoding step >= 2x the eager one's tokens/s for topk, and
+compiled seqtopk >= 0.97x compiled topk's speed over the generation; the KV + Expert Cache >= 10x
+faster than recomputing at contexts of 512 and more. On a GPU (bf16): MoE / dense <= 1.3 and seqtopk
+/ topk step time <= 1.02.
 """
 import json
 import re
@@ -29,7 +30,8 @@ import torch
 import torch.nn.functional as F
 
 from configurator import Rule, configure, each, non_negative_int, one_of, positive_int
-from model import GPT, GPTConfig, Cache, MoE
+from cache import Cache
+from model import GPT, GPTConfig, MoE
 from runtime import keep_freed_cpu_memory
 from router import (ROUTERS, batchtopk_mask, online_seqtopk_mask, relu_gates, seqtopk_mask, threshold_mask,
                     topk_mask)
@@ -57,6 +59,7 @@ new_tokens = 512          # tokens generated for the cached-vs-recompute compari
 prompt_tokens = 16
 contexts = '64,512,960'   # contexts at which per-step decode speed is measured
 steps_at_context = 64     # decode steps timed at each context
+decode_ways = 'eager,compiled'  # the decoding step eager, compiled (once, then one graph a step), or both
 # -----------------------------------------------------------------------------
 # what each setting may be (configurator.py), checked before anything runs
 RULES = dict(what=one_of('all', 'route', 'train', 'moe', 'decode'), dtype=one_of('float32', 'bfloat16'),
@@ -64,7 +67,7 @@ RULES = dict(what=one_of('all', 'route', 'train', 'moe', 'decode'), dtype=one_of
              moe_tokens=positive_int, moe_embd=positive_int, moe_exp_dim=positive_int, moe_n_exp=positive_int,
              moe_top_k=positive_int, decode_block_size=positive_int, new_tokens=positive_int, prompt_tokens=positive_int,
              contexts=each(positive_int, int),
-             steps_at_context=positive_int,
+             steps_at_context=positive_int, decode_ways=each(one_of('eager', 'compiled')),
              device=Rule(lambda v: re.fullmatch(r'cpu|cuda(:\d+)?', v) is not None, 'cpu, cuda or cuda:N'))
 RELATIONS = [('moe_top_k', lambda c: c['moe_top_k'] <= c['moe_n_exp'], 'at most --moe_n_exp={moe_n_exp}'),
              ('new_tokens', lambda c: c['prompt_tokens'] + c['new_tokens'] <= c['decode_block_size'],
@@ -243,90 +246,118 @@ def bench_moe(results):
 
 # -----------------------------------------------------------------------------
 @torch.inference_mode()
-def decode_in_turns(models, prompt, steps, recompute_every=1, block=16):
-    """Greedy decoding of `steps` tokens after `prompt` by every model, both ways GPT.generate can:
-    with a Cache (KV + Expert Cache), one new token a step, and recomputing the whole context (at
-    every `recompute_every`-th step). The models and ways take turns every `block` steps: cached
-    steps follow each other as in generation, and a drift in the machine's speed hits all alike.
-    Returns, per model, the seconds of each cached step (step 0 includes the prompt), the seconds
-    of each recompute, the Cache at the end, and the tokens."""
-    caches = {name: Cache(model.config.n_layer) for name, model in models.items()}
-    idx = dict.fromkeys(models, prompt)
-    cached, recomputed = {name: [] for name in models}, {name: [] for name in models}
+def decode_in_turns(ways, prompt, steps, recompute_every=1, block=16, recompute=()):
+    """Greedy decoding of `steps` tokens after `prompt` in every way, name -> (model, step), as GPT.generate
+    decodes: the prompt eagerly into a Cache, then one token a step through step (model.stepper, eager or
+    compiled); the ways named in `recompute` also recompute the whole context, eagerly (at every
+    `recompute_every`-th step). The
+    ways take turns every `block` steps: cached steps follow each other as in generation, and a drift in
+    the machine's speed hits all alike. Returns, per way, the seconds of each cached step (step 0 is the
+    prompt), the seconds of each recompute, the Cache at the end, and the tokens."""
+    caches = {name: Cache(model.config) for name, (model, _) in ways.items()}
+    idx, last = dict.fromkeys(ways, prompt), {}
+    cached, recomputed = {name: [] for name in ways}, {name: [] for name in ways}
     with autocast():  # --dtype=bfloat16: one bf16 region over the whole generation, as sample.py's
         for first in range(0, steps, block):
             turn = range(first, min(steps, first + block))
-            for name, model in models.items():
-                for step in turn:
+            for name, (model, step) in ways.items():
+                for i in turn:
                     sync()
                     t0 = time.perf_counter()
-                    logits = model(idx[name] if step == 0 else idx[name][:, -1:], cache=caches[name])[0]
+                    logits = model(idx[name], cache=caches[name])[0] if i == 0 else step(last[name], caches[name])[0]
                     sync()
                     cached[name].append(time.perf_counter() - t0)
-                    idx[name] = torch.cat([idx[name], logits[:, -1].argmax(-1, keepdim=True)], dim=1)
-            for name, model in models.items():
-                for step in (step for step in turn if step % recompute_every == 0):
+                    last[name] = logits[:, -1].argmax(-1, keepdim=True)
+                    idx[name] = torch.cat([idx[name], last[name]], dim=1)
+            for name, (model, _) in ways.items():
+                for i in (i for i in turn if i % recompute_every == 0 and name in recompute):
                     t0 = time.perf_counter()
-                    model(idx[name][:, :prompt.shape[1] + step], causal=True)  # what generate(use_cache=False) runs
+                    model(idx[name][:, :prompt.shape[1] + i], causal=True)  # what generate(use_cache=False) runs
                     sync()
                     recomputed[name].append(time.perf_counter() - t0)
     return cached, recomputed, caches, idx
 
 
 def bench_decode(results):
-    """Long-context generation: the KV + Expert Cache against recomputing the context every step,
-    seqtopk against topk, all four taking turns; then one step at a given context. Each figure is
-    the total over all rounds' steps; the per-round spread of seqtopk / topk shows the noise."""
+    """Long-context generation: the KV + Expert Cache against recomputing the context every step, seqtopk
+    against topk, the decoding step eager and compiled, all taking turns; then one step at a given context.
+    Each figure is the total over all rounds' steps; the per-round spread of each ratio shows the noise."""
     shape = dict(LARGER, block_size=decode_block_size)
     gen = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, shape['vocab_size'], (1, prompt_tokens), generator=gen).to(device)
     models = {router: build(router, shape).eval() for router in ('topk', 'seqtopk')}
-    # decode_in_turns takes generate's steps: the same tokens as generate(temperature=0), checked here
-    tokens = decode_in_turns(models, prompt, 16)[3]  # (and a warm-up)
-    for router, model in models.items():
+    way_names = decode_ways.split(',')
+    ways = {(router, way): (model, model.stepper(compile=way == 'compiled'))
+            for router, model in models.items() for way in way_names}
+    # decode_in_turns takes generate's steps: the same tokens as generate(temperature=0), checked here; the
+    # first compiled generation compiles the step, timed apart
+    compile_s = {}
+    for (router, way), (model, _) in ways.items():
+        t0 = time.perf_counter()
         with autocast():
-            generated = model.generate(prompt, 16, temperature=0)
-        if not torch.equal(tokens[router], generated):
-            raise SystemExit(f"error: bench's decoding loop and generate() disagree for {router}")
+            generated = model.generate(prompt, 16, temperature=0, compile=way == 'compiled')
+        sync()
+        if way == 'compiled':
+            compile_s[router] = time.perf_counter() - t0
+        if not torch.equal(decode_in_turns({(router, way): ways[(router, way)]}, prompt, 16)[3][(router, way)],
+                           generated):
+            raise SystemExit(f"error: bench's decoding loop and generate() disagree for {router}, {way}")
+    decode_in_turns(ways, prompt, 16)  # a warm-up of the turns themselves
 
-    def speed_ratio(runs, skip=0):  # seqtopk / topk cached speed: over all rounds, and each round's
-        total = {router: sum(sum(cached[router][skip:]) for cached, *_ in runs) for router in models}
-        rounds = [sum(cached['topk'][skip:]) / sum(cached['seqtopk'][skip:]) for cached, *_ in runs]
-        return total['topk'] / total['seqtopk'], f"{min(rounds):.2f}-{max(rounds):.2f}"
+    def speed_ratio(runs, name, base, skip=0):  # name's cached speed over base's: all rounds, and each round's
+        total = {n: sum(sum(cached[n][skip:]) for cached, *_ in runs) for n in (name, base)}
+        rounds = [sum(cached[base][skip:]) / sum(cached[name][skip:]) for cached, *_ in runs]
+        return total[base] / total[name], f"{min(rounds):.2f}-{max(rounds):.2f}"
 
     print(f"\n### Decoding: {new_tokens} new tokens after a {prompt_tokens}-token prompt, larger model with a "
-          f"{decode_block_size}-token context (greedy, batch 1; cached and recomputing steps taken in turns)\n")
-    print("| router | KV + Expert Cache tok/s | full recompute tok/s | speed-up |")
-    print("| --- | --- | --- | --- |")
-    runs = [decode_in_turns(models, prompt, new_tokens) for _ in range(min(repeats, 3))]  # a minute a round on CPU
-    for router in models:
-        cached = sum(sum(c[router]) for c, *_ in runs) / len(runs)
-        recomputed = sum(sum(r[router]) for _, r, *_ in runs) / len(runs)
-        results['decode'].append(dict(router=router, new_tokens=new_tokens, block_size=decode_block_size,
-                                      cached_tok_s=new_tokens / cached, recompute_tok_s=new_tokens / recomputed))
-        print(f"| {router} | {new_tokens / cached:.1f} | {new_tokens / recomputed:.1f} | {recomputed / cached:.1f}x |")
-    ratio, spread = speed_ratio(runs)
-    print(f"\nseqtopk / topk cached decode speed: {ratio:.3f} (rounds: {spread})")
+          f"{decode_block_size}-token context (greedy, batch 1; the ways taken in turns" +
+          (f"; compiled: the decoding step compiled once, in {compile_s['topk']:.0f} s for topk and "
+           f"{compile_s['seqtopk']:.0f} s for seqtopk" if compile_s else '') + ")\n")
+    print("| router | decoding step | KV + Expert Cache tok/s | full recompute tok/s (eager) | speed-up |")
+    print("| --- | --- | --- | --- | --- |")
+    recompute = {(router, way_names[0]) for router in models}  # the model's own forward, which is eager
+    runs = [decode_in_turns(ways, prompt, new_tokens, recompute=recompute)
+            for _ in range(min(repeats, 3))]  # a minute a round on CPU
+    for router, way in ways:
+        cached = sum(sum(c[(router, way)]) for c, *_ in runs) / len(runs)
+        recomputed = sum(sum(r[(router, way_names[0])]) for _, r, *_ in runs) / len(runs)
+        results['decode'].append(dict(router=router, way=way, new_tokens=new_tokens, block_size=decode_block_size,
+                                      cached_tok_s=new_tokens / cached, recompute_tok_s=new_tokens / recomputed,
+                                      compile_s=compile_s[router] if way == 'compiled' else None))
+        print(f"| {router} | {way} | {new_tokens / cached:.1f} | {new_tokens / recomputed:.1f} "
+              f"| {recomputed / cached:.1f}x |")
+    print()
+    for name, base, label in ((('seqtopk', 'eager'), ('topk', 'eager'), 'seqtopk / topk, eager'),
+                              (('seqtopk', 'compiled'), ('topk', 'compiled'), 'seqtopk / topk, compiled'),
+                              (('topk', 'compiled'), ('topk', 'eager'), 'compiled / eager, topk'),
+                              (('seqtopk', 'compiled'), ('seqtopk', 'eager'), 'compiled / eager, seqtopk')):
+        if name not in ways or base not in ways:
+            continue
+        ratio, spread = speed_ratio(runs, name, base)
+        results['decode_ratios'].append(dict(ratio=label, value=ratio, rounds=spread))
+        print(f"{label} cached decode speed: {ratio:.3f} (rounds: {spread})")
     print(f"\n### One decode step at a given context ({steps_at_context} cached steps and "
           f"{steps_at_context // 8 + 1} full recomputes, one every 8 steps, in each of {repeats} rounds)\n")
-    print("| context | topk cached ms | seqtopk cached ms | seqtopk / topk speed (rounds) | topk recompute ms "
-          "| seqtopk recompute ms | cache speed-up (topk, seqtopk) | KV cache | Expert Cache |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| context | decoding step | topk cached ms | seqtopk cached ms | seqtopk / topk speed (rounds) "
+          "| topk recompute ms | seqtopk recompute ms | cache speed-up (topk, seqtopk) | KV cache | Expert Cache |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for context in (int(c) for c in contexts.split(',')):
         prompt = torch.randint(0, shape['vocab_size'], (1, context), generator=gen).to(device)
-        runs = [decode_in_turns(models, prompt, steps_at_context + 1, recompute_every=8) for _ in range(repeats + 1)][1:]
-        step = {router: statistics.mean(s for c, *_ in runs for s in c[router][1:]) for router in models}  # not the prompt
-        again = {router: statistics.mean(s for _, r, *_ in runs for s in r[router]) for router in models}
-        ratio, spread = speed_ratio(runs, skip=1)
-        kv, expert = runs[-1][2]['seqtopk'].nbytes('kv'), runs[-1][2]['seqtopk'].nbytes('expert')
-        results['decode_context'].append(dict(context=context, topk_ms=step['topk'] * 1e3, seqtopk_ms=step['seqtopk'] * 1e3,
-                                              topk_recompute_ms=again['topk'] * 1e3,
-                                              seqtopk_recompute_ms=again['seqtopk'] * 1e3,
-                                              kv_cache_bytes=kv, expert_cache_bytes=expert))
-        print(f"| {context} | {step['topk'] * 1e3:.2f} | {step['seqtopk'] * 1e3:.2f} | {ratio:.3f} ({spread}) "
-              f"| {again['topk'] * 1e3:.1f} | {again['seqtopk'] * 1e3:.1f} | {again['topk'] / step['topk']:.1f}x, "
-              f"{again['seqtopk'] / step['seqtopk']:.1f}x | {kv / 2**20:.2f} MiB | {expert / 2**10:.1f} KiB "
-              f"({expert / kv:.2%} of KV) |")
+        runs = [decode_in_turns(ways, prompt, steps_at_context + 1, recompute_every=8, recompute=recompute)
+                for _ in range(repeats + 1)][1:]
+        again = {r: statistics.mean(s for _, rec, *_ in runs for s in rec[(r, way_names[0])]) for r in models}
+        kv, expert = (runs[-1][2][('seqtopk', way_names[0])].nbytes(kind) for kind in ('kv', 'expert'))
+        for way in way_names:
+            step = {r: statistics.mean(s for c, *_ in runs for s in c[(r, way)][1:]) for r in models}  # not the prompt
+            ratio, spread = speed_ratio(runs, ('seqtopk', way), ('topk', way), skip=1)
+            results['decode_context'].append(dict(
+                context=context, way=way, topk_ms=step['topk'] * 1e3, seqtopk_ms=step['seqtopk'] * 1e3,
+                topk_recompute_ms=again['topk'] * 1e3, seqtopk_recompute_ms=again['seqtopk'] * 1e3,
+                kv_cache_bytes=kv, expert_cache_bytes=expert))
+            print(f"| {context} | {way} | {step['topk'] * 1e3:.2f} | {step['seqtopk'] * 1e3:.2f} | {ratio:.3f} ({spread}) "
+                  f"| {again['topk'] * 1e3:.1f} | {again['seqtopk'] * 1e3:.1f} | {again['topk'] / step['topk']:.1f}x, "
+                  f"{again['seqtopk'] / step['seqtopk']:.1f}x | {kv / 2**20:.2f} MiB | {expert / 2**10:.1f} KiB "
+                  f"({expert / kv:.2%} of KV) |")
 
 
 def main():
@@ -337,7 +368,8 @@ def main():
     keep_freed_cpu_memory()
     name = torch.cuda.get_device_name(device) if device_type == 'cuda' else f'CPU, {torch.get_num_threads()} threads'
     results = dict(device=name, dtype=dtype, compile=compile, torch=torch.__version__,
-                   date=time.strftime('%Y-%m-%d'), route=[], train=[], moe=[], decode=[], decode_context=[])
+                   date=time.strftime('%Y-%m-%d'), route=[], train=[], moe=[], decode=[], decode_ratios=[],
+                   decode_context=[])
     print(f"seqmoe bench on {name}, {dtype}, compile={compile}, torch {torch.__version__}, {results['date']}")
     for section, fn in (('route', bench_route), ('train', bench_train), ('moe', bench_moe), ('decode', bench_decode)):
         if what in ('all', section):

@@ -14,6 +14,10 @@ import torch
 from model import GPTConfig
 
 MODEL_KEYS = [f.name for f in fields(GPTConfig)]  # the settings a checkpoint's model_args hold
+# model settings added since the first checkpoints, with the values that reproduce a checkpoint written
+# before them (the paper's gates: the selected softmax scores, unscaled), and the buffers added with them
+LEGACY_MODEL_ARGS = dict(score_func='softmax', route_scale=1.0, balance='aux', balance_rate=1e-3)
+LATER_BUFFERS = ('.expert_bias', '.expert_load')  # balance='bias': zeros until it is used
 
 
 def non_finite(state_dict):
@@ -78,6 +82,8 @@ def load(path, keys=('model', 'model_args', 'meta')):
     if 'model_args' in keys and (not isinstance(model_args, dict) or set(model_args) - set(MODEL_KEYS)):
         unknown = sorted(set(model_args) - set(MODEL_KEYS)) if isinstance(model_args, dict) else ['(not a dict)']
         _fail(path, f"has model settings this version does not know: {', '.join(unknown)}")
+    if isinstance(model_args, dict):
+        ckpt['model_args'] = {**LEGACY_MODEL_ARGS, **model_args}
     if 'meta' in keys and not (isinstance(ckpt['meta'], dict) and {'tokenizer', 'vocab_size'} <= set(ckpt['meta'])):
         _fail(path, "has no tokenizer in its meta; give a ckpt.pt written by train.py")
     if 'model' in keys:
@@ -97,6 +103,7 @@ def load_weights(model, ckpt, path):
     except RuntimeError as e:  # a shape mismatch
         detail = next((line.strip() for line in str(e).splitlines() if 'size mismatch' in line), str(e))
         _fail(path, f"has weights that do not fit its model_args ({detail[:200]})")
-    if result.missing_keys or result.unexpected_keys:
+    missing = [k for k in result.missing_keys if not k.endswith(LATER_BUFFERS)]
+    if missing or result.unexpected_keys:
         _fail(path, f"has weights that do not fit its model_args: missing "
-                    f"{', '.join(result.missing_keys[:3]) or 'none'}, unexpected {', '.join(result.unexpected_keys[:3]) or 'none'}")
+                    f"{', '.join(missing[:3]) or 'none'}, unexpected {', '.join(result.unexpected_keys[:3]) or 'none'}")

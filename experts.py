@@ -79,7 +79,7 @@ def grouped_mm_backward(ctx, grad):
 grouped_mm.register_autograd(grouped_mm_backward, setup_context=grouped_mm_setup)
 
 
-def dispatch(x, mask, weights, w_fc, w_proj, n_pairs=None, kernel=True):
+def dispatch(x, mask, weights, w_fc, w_proj, n_pairs=None, kernel=True, slots=None):
     """The one path from any routing mask to expert outputs.
 
     x: (M, C) tokens; mask, weights: (M, N), any number of experts per token; w_fc: (N, C, H),
@@ -90,8 +90,12 @@ def dispatch(x, mask, weights, w_fc, w_proj, n_pairs=None, kernel=True):
     waits on the device; None (relu, batchtopk's threshold, online seqtopk) finds them: one host sync.
     kernel: use torch._grouped_mm where it can run (in inference with fewer pairs than experts, as in
     decoding, one batched matmul over the pairs' gathered expert matrices), else one matmul per expert.
+    slots: in a decoding step, the most experts a token takes (the router's bound): each token then
+    runs exactly `slots` pairs, those it does not take with a zero gate, so the step's shapes are static.
     """
     M, N = mask.shape
+    if slots is not None:
+        return slot_dispatch(x, mask, weights, w_fc, w_proj, slots)
     selected = mask.t().reshape(-1)  # expert-major: expert 0's tokens first, then expert 1's, ...
     if n_pairs is None:  # a size known only on the host: that sync is unavoidable, and nonzero is it in one op
         pair = selected.nonzero().squeeze(1)
@@ -111,6 +115,21 @@ def dispatch(x, mask, weights, w_fc, w_proj, n_pairs=None, kernel=True):
     h = F.gelu(expert_mm(x.index_select(0, token_idx), w_fc, offs, kernel, inference))
     y = expert_mm(h * gate.unsqueeze(-1), w_proj, offs, kernel, inference)  # scale the narrower h, not y
     return torch.zeros_like(x).index_add_(0, token_idx, y)
+
+
+def slot_dispatch(x, mask, weights, w_fc, w_proj, slots):
+    """A decoding step's experts with static shapes: each token's `slots` slots hold the experts it takes,
+    then its first expert again with a zero gate (so no other expert's weights are read); each slot's
+    expert matrices gathered and one batched matmul."""
+    M, C = x.shape
+    taken, expert = mask.to(x.dtype).topk(slots, dim=-1)  # the experts it takes come first
+    expert = torch.where(taken > 0, expert, expert[:, :1])
+    gate = weights.gather(-1, expert) * taken
+    tokens = x.repeat_interleave(slots, dim=0).unsqueeze(1)  # (M * slots, 1, C)
+    expert = expert.flatten()
+    h = F.gelu(torch.bmm(tokens, w_fc.index_select(0, expert).to(x.dtype)))
+    y = torch.bmm(h * gate.reshape(-1, 1, 1), w_proj.index_select(0, expert).to(x.dtype))
+    return y.view(M, slots, C).sum(dim=1)
 
 
 def expert_mm(x, w, offs, kernel, inference):

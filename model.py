@@ -1,9 +1,9 @@
 """
 A nanoGPT-style GPT whose feed-forward layers are Mixture-of-Experts layers.
 
-Read top to bottom: config, the decoding cache, attention, the dense MLP, the MoE layer, the block,
-and the GPT with its generate loop. The routers live in router.py, the expert dispatch (one path for
-every router) in experts.py.
+Read top to bottom: config, attention, the dense MLP, the MoE layer, the block, and the GPT with its
+generate loop. The routers live in router.py, the expert dispatch (one path for every router) in
+experts.py, and the caches that decoding carries (KV and Expert Cache) in cache.py.
 """
 import math
 from dataclasses import asdict, dataclass
@@ -14,6 +14,7 @@ from torch.nn import functional as F
 
 from configurator import (Rule, above, check, fraction, non_negative, non_negative_int, one_of, positive,
                           positive_int)
+from cache import Cache
 from experts import dispatch
 from router import ROUTERS, Router, check_router, step_budgets, step_rules
 
@@ -35,8 +36,12 @@ class GPTConfig:
     router: str = 'topk'       # a key of router.ROUTERS
     seq_min_k: int = 1         # seqtopk per-token lower bound
     seq_max_k: int = 0         # seqtopk per-token upper bound; 0 = top_k + 2, n_exp = unbounded
-    norm_topk_prob: bool = False  # renormalise the selected gate values to sum to 1 per token
-    aux_loss_weight: float = 0.01  # Switch load-balance loss
+    score_func: str = 'softmax'  # router scores from the logits: 'softmax' or 'sigmoid' (each expert on its own)
+    route_scale: float = 0.0   # gates = route_scale x the selected scores; 0 = router.auto_route_scale
+    norm_topk_prob: bool = False  # renormalise the selected gate values to sum to 1 per token (then x route_scale)
+    balance: str = 'aux'       # load balancing: 'aux' (Switch loss), 'bias' (loss-free: a bias on the choice), 'none'
+    balance_rate: float = 1e-3  # balance='bias': the bias's step per optimizer step
+    aux_loss_weight: float = 0.01  # Switch load-balance loss (balance='aux')
     z_loss_weight: float = 0.001   # router z-loss
     threshold_decay: float = 0.99  # batchtopk: EMA decay of the evaluation threshold
     relu_l1_init: float = 1e-8     # relu: initial regulariser coefficient lambda_0 (ReMoE default)
@@ -61,51 +66,16 @@ MODEL_RULES = dict(
     n_embd=positive_int, dropout=fraction, n_exp=positive_int, top_k=positive_int, exp_dim=positive_int,
     moe_every=non_negative_int, mlp_dim=non_negative_int, seq_min_k=non_negative_int,
     seq_max_k=non_negative_int, aux_loss_weight=non_negative, z_loss_weight=non_negative, threshold_decay=fraction,
+    score_func=one_of('softmax', 'sigmoid'), route_scale=non_negative, balance=one_of('aux', 'bias', 'none'),
+    balance_rate=positive,
     relu_l1_init=positive, relu_l1_step=above(1), relu_threshold_step=non_negative,
     moe_impl=one_of('grouped', 'loop'), seq_budget=one_of('plain', 'strict'),
     router=Rule(lambda v: v in ROUTERS, 'one of ' + ', '.join(ROUTERS)))  # ROUTERS as it is when checked
 # settings that may change on resume or fine-tuning; the rest is architecture
 ROUTING_KEYS = {'router', 'top_k', 'seq_min_k', 'seq_max_k', 'norm_topk_prob', 'aux_loss_weight', 'z_loss_weight',
+                'score_func', 'route_scale', 'balance', 'balance_rate',
                 'threshold_decay', 'relu_l1_init', 'relu_l1_step', 'relu_l1_per_layer', 'relu_threshold_step',
                 'moe_impl', 'dropout', 'seq_causal', 'seq_budget'}
-
-
-class Cache:
-    """What one generation carries from step to step, per layer: the attention keys and values
-    (KV cache) and, for the MoE layers, every token's router scores that online SeqTopK can still
-    weigh, of rank seq_min_k..seq_max_k-1 (the Expert Cache), and the experts spent so far. Passed
-    through forward(); the model itself holds no decoding state."""
-
-    def __init__(self, n_layer):
-        self.pos = 0  # tokens seen so far
-        self.layers = [LayerCache() for _ in range(n_layer)]
-
-    def nbytes(self, kind):
-        """Bytes held by the KV cache ('kv') or by the Expert Cache ('expert')."""
-        keys = ('k', 'v') if kind == 'kv' else ('candidates', 'spent')
-        return sum(layer[k].numel() * layer[k].element_size() for layer in self.layers for k in keys if k in layer)
-
-
-class LayerCache(dict):
-    """One layer's part of a Cache: name -> tensor, each with its own time dim."""
-
-    def append(self, name, new, dim=1):
-        """Append new to self[name] along dim (time) and return the whole. It is a view of a buffer
-        that doubles when full, so a decoding step copies its own token, not the whole cache."""
-        old = self.get(name)
-        n = 0 if old is None else old.shape[dim]
-        end = n + new.shape[dim]
-        buffer = self.get('buffer.' + name)
-        if buffer is None or buffer.shape[dim] < end:
-            shape = list(new.shape)
-            shape[dim] = max(end, 2 * n)
-            grown = new.new_empty(shape)
-            if n:
-                grown.narrow(dim, 0, n).copy_(old)
-            buffer = self['buffer.' + name] = grown
-        buffer.narrow(dim, n, end - n).copy_(new)
-        self[name] = buffer.narrow(dim, 0, end)
-        return self[name]
 
 
 class CausalSelfAttention(nn.Module):
@@ -118,20 +88,16 @@ class CausalSelfAttention(nn.Module):
         self.n_head = config.n_head
         self.dropout = config.dropout
 
-    def forward(self, x, cache=None):
+    def forward(self, x, cache=None, pos=None):
         B, T, C = x.shape
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, n_head, T, head size)
                    for t in self.c_attn(x).split(C, dim=2))
-        past = 0
-        if cache is not None:  # KV cache: attend to every earlier token's keys and values too, kept
-            past = cache['k'].shape[2] if 'k' in cache else 0  # head by head, as attention reads them
-            k, v = cache.append('k', k, dim=2), cache.append('v', v, dim=2)
-        dropout_p = self.dropout if self.training else 0
-        if past == 0 or T == 1:  # a single new token may attend to every cached one
-            y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=past == 0)
-        else:  # query i sits at position past + i
-            allowed = torch.arange(past + T, device=x.device) <= past + torch.arange(T, device=x.device)[:, None]
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=dropout_p)
+        if cache is None:
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0, is_causal=True)
+        else:  # the KV cache: each query attends to every position up to its own (the unused rest is masked)
+            k, v = cache.write_kv(k, v, pos)
+            allowed = torch.arange(k.shape[2], device=x.device) <= pos[:, None]
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_dropout(self.c_proj(y))
 
@@ -167,9 +133,11 @@ class MoE(nn.Module):
         mask, weights, scores, aux_loss = self.router(x, cache, causal)
         # the experts run in the autocast dtype (bf16 on GPUs); the router above stays in fp32
         dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+        kernel = self.config.moe_impl == 'grouped'
+        decoding = T == 1 and kernel and not torch.is_grad_enabled()  # a decoding step: static slots, if bounded
         y = dispatch(x.reshape(-1, C).to(dtype), mask.view(-1, N), weights.view(-1, N).to(dtype),
-                     self.w_fc, self.w_proj, self.router.fixed_pairs(B * T, causal),
-                     kernel=self.config.moe_impl == 'grouped')
+                     self.w_fc, self.w_proj, self.router.fixed_pairs(B * T, causal), kernel=kernel,
+                     slots=self.router.slots() if decoding else None)
         return self.dropout(y.view(B, T, C)), aux_loss, (mask, scores)
 
 
@@ -182,8 +150,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.ffn = MoE(config) if moe else MLP(config)
 
-    def forward(self, x, cache=None, causal=False):
-        x = x + self.attn(self.ln_1(x), cache)
+    def forward(self, x, cache=None, causal=False, pos=None):
+        x = x + self.attn(self.ln_1(x), cache, pos)
         if isinstance(self.ffn, MoE):
             y, aux_loss, routing = self.ffn(self.ln_2(x), cache, causal)
             return x + y, aux_loss, routing
@@ -206,6 +174,7 @@ class GPT(nn.Module):
         ))
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.transformer.wte.weight = self.lm_head.weight  # weight tying
+        self.compiled_step = None  # stepper(compile=True) compiles decode_step once
         self.apply(self._init_weights)
         residual_std = 0.02 / math.sqrt(2 * config.n_layer)  # GPT-2: scale the residual projections
         for name, p in self.named_parameters():
@@ -238,31 +207,30 @@ class GPT(nn.Module):
     def forward(self, idx, targets=None, cache=None, causal=None, moe_ks=None):
         """Returns logits, the cross-entropy (None without targets) and aux, a dict holding the
         weighted auxiliary loss and each MoE layer's routing (mask, scores) for statistics.
-        cache: a Cache to decode with (idx are then the tokens after cache.pos); causal: route
+        cache: a Cache to decode with (idx are then the tokens after those it holds); causal: route
         seqtopk by the online rule (default: config.seq_causal; always, when decoding).
         moe_ks: in training, the k of each MoE layer for this step (plain ints, e.g. from
         router.step_budgets with a seeded generator); None draws them from torch's default generator
         (only mrltopk draws). In training, relu's routers also record their active fractions."""
         B, T = idx.shape
-        start = 0 if cache is None else cache.pos
-        if start + T > self.config.block_size:
-            raise ValueError(f"sequence of length {start + T} is longer than block_size={self.config.block_size}")
+        if cache is None and T > self.config.block_size:
+            raise ValueError(f"sequence of length {T} is longer than block_size={self.config.block_size}")
+        pos = torch.arange(T, device=idx.device) if cache is None else cache.positions(T, idx.device)
         causal = (cache is not None or self.config.seq_causal) if causal is None else causal
         if self.training:  # this step's k of each MoE layer: the router's draw (mrltopk), else top_k
             routers = self.routers()
             for router, k in zip(routers, step_budgets(self.config, len(routers)) if moe_ks is None else moe_ks,
                                  strict=True):
                 router.k = k
-        pos = torch.arange(start, start + T, dtype=torch.long, device=idx.device)
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
         aux_loss, routing = 0.0, []
         for i, block in enumerate(self.transformer.h):
-            x, layer_aux, layer_routing = block(x, None if cache is None else cache.layers[i], causal)
+            x, layer_aux, layer_routing = block(x, None if cache is None else cache.layers[i], causal, pos)
             aux_loss = aux_loss + layer_aux
             if layer_routing is not None:
                 routing.append(layer_routing)
         if cache is not None:
-            cache.pos += T
+            cache.pos.add_(T)
         x = self.transformer.ln_f(x)
         if targets is None:
             return self.lm_head(x[:, [-1], :]), None, dict(aux_loss=aux_loss, routing=routing)
@@ -284,35 +252,62 @@ class GPT(nn.Module):
         fused = device_type == 'cuda'
         return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=fused)
 
+    def decode_step(self, idx, cache):
+        """One decoding step: the logits after idx (B, 1) and each MoE layer's routing, with the caches.
+        The host's bookkeeping (cache.reserve) is left to the caller, so that the step compiles to one
+        graph whose shapes never change: generate(compile=True) runs it as stepper(compile=True) does."""
+        logits, _, aux = self(idx, cache=cache, causal=True)
+        return logits, aux['routing']
+
+    def stepper(self, compile=False):
+        """generate's decoding step, step(idx, cache): decode_step, eager or compiled (once per model:
+        fullgraph, and on CUDA mode='reduce-overhead', so that the whole step replays as one CUDA graph)."""
+        if not compile:
+            return self.decode_step
+        if self.compiled_step is None:
+            cuda = next(self.parameters()).is_cuda
+            self.compiled_step = torch.compile(self.decode_step, fullgraph=True, mode='reduce-overhead' if cuda else None)
+
+        def step(idx, cache):
+            cache.reserve(idx.shape[1])
+            if idx.is_cuda:
+                torch.compiler.cudagraph_mark_step_begin()  # the last step's outputs are read: replay anew
+            return self.compiled_step(idx, cache)
+        return step
+
     @torch.inference_mode()  # no autograd bookkeeping at all: each small decoding op costs less
     def generate(self, idx, max_new_tokens, temperature=1.0, sample_top_k=None, use_cache=True,
-                 prompt_routing='online', on_step=None):
+                 prompt_routing='online', on_step=None, compile=False):
         """Sample max_new_tokens after idx (B, T).
 
         use_cache: decode with a Cache (KV + Expert Cache), else recompute the whole context every
         step. Either way seqtopk routes each new token by the online rule, so both agree exactly.
+        compile: run the cached decoding step compiled (stepper); the prompt runs eagerly. The first
+        step compiles (seconds to a minute), later calls reuse it.
         prompt_routing: 'online' routes the prompt token by token with the same rule (generation
         and causal evaluation agree); 'joint' routes it as one sequence (offline SeqTopK), as the
         paper's code does. on_step(routing) sees each step's routing, e.g. to count experts.
-        Past block_size tokens, the uncached path crops the context; the cached one restarts its
-        cache from the last block_size // 2 tokens."""
+        Past block_size tokens, the uncached path crops the context; the cached one starts its
+        cache again from the last block_size // 2 tokens."""
         if prompt_routing not in ('online', 'joint'):
             raise ValueError(f"prompt_routing must be 'online' or 'joint', got '{prompt_routing}'")
-        if prompt_routing == 'joint' and not use_cache:
-            raise ValueError("prompt_routing='joint' needs use_cache=True: recomputing would re-route the prompt")
-        cache = None
-        for step in range(max_new_tokens):
+        if not use_cache and (prompt_routing == 'joint' or compile):
+            raise ValueError(f"{'compile=True' if compile else 'prompt_routing=joint'} needs use_cache=True: "
+                             f"{'it compiles the cached step' if compile else 'recomputing would re-route the prompt'}")
+        cache, step = Cache(self.config), self.stepper(compile)
+        for i in range(max_new_tokens):
             if not use_cache:
                 logits, _, aux = self(idx[:, -self.config.block_size:], causal=True)
-            else:
-                if cache is None or cache.pos == self.config.block_size:
-                    cache = Cache(self.config.n_layer)
-                    context = idx[:, -(self.config.block_size // 2):] if step > 0 else idx
-                    logits, _, aux = self(context, cache=cache, causal=(prompt_routing == 'online' or step > 0))
-                else:
-                    logits, _, aux = self(idx[:, -1:], cache=cache, causal=True)
+                routing = aux['routing']
+            elif i == 0 or cache.length == self.config.block_size:  # the prompt, or the context once full
+                cache.reset()
+                context = idx[:, -(self.config.block_size // 2):] if i > 0 else idx
+                logits, _, aux = self(context, cache=cache, causal=(prompt_routing == 'online' or i > 0))
+                routing = aux['routing']
+            else:  # the token sampled last (its own tensor: a slice of idx would change its strides)
+                logits, routing = step(idx_next, cache)
             if on_step is not None:
-                on_step(aux['routing'])
+                on_step(routing)
             logits = logits[:, -1, :]
             if temperature <= 0:  # greedy
                 idx_next = logits.argmax(dim=-1, keepdim=True)

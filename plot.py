@@ -127,7 +127,7 @@ def plot_paired_differences(sweep, out):
         for i, router in enumerate(series):
             for causal in (False, True):
                 picked = sorted((r for r in rows if r['router'] == router and r['kind'] == kind), key=lambda r: r['K'])
-                if not picked or (causal and router != 'seqtopk'):  # the others route causally anyway
+                if not picked or (causal and router.split('+')[0] != 'seqtopk'):  # the others route causally anyway
                     continue
                 key = 'diff_causal' if causal else 'diff'
                 mean = [r[f'{key}_vs_topk'] for r in picked]

@@ -3,7 +3,7 @@ The routers of "Route Expert by Sequence, Not by Token" (SeqTopK), as pure funct
 table that says everything else each router is.
 
 Every router maps router scores of shape (B, T, N) -- B sequences, T tokens, N experts,
-scores = softmax of the router logits -- to a bool mask of the same shape: mask[b, t, i] is
+scores = softmax (or sigmoid) of the router logits -- to a bool mask of the same shape: mask[b, t, i] is
 True when token t of sequence b is sent to expert i. The model turns any mask into expert
 outputs through one dispatch path (experts.py).
 
@@ -87,21 +87,23 @@ def cached_at_least(past, candidates):
     return (counts[0] if len(counts) == 1 else torch.cat(counts, dim=1)).view(B, T, R)
 
 
-def online_seqtopk_mask(scores, k, min_k=1, max_k=None, past=None, spent=None, strict=False):
+def online_seqtopk_mask(scores, k, min_k=1, max_k=None, past=None, spent=None, strict=False, n_past=None):
     # Eq. (7), online SeqTopK: token m takes expert i when (m, i) is among the top m*k entries of the
     # m x N score matrix of tokens 1..m (the Expert Cache, Eq. 6), within the per-token bounds.
     """scores: (B, T, N), the newest T tokens. past: (B, P, max_k - min_k), the Expert Cache: each
     earlier token's scores of rank min_k..max_k-1, descending (the only ones the rule can still
-    weigh: a token always takes its first min_k and never more than max_k); None = no earlier tokens.
-    spent: (B,) experts those P tokens took. Every new token is routed by the rule above over itself
-    and all tokens before it, so one call on a whole sequence (teacher forcing) routes each position
-    exactly as decoding step by step. strict=True caps each token at m*k minus what tokens 1..m-1
-    spent, so no prefix overspends. Returns the mask (B, T, N), the new tokens' cache rows and the
-    new spent."""
+    weigh: a token always takes its first min_k and never more than max_k), -inf in slots not yet
+    written (they never score as high); None = no earlier tokens. n_past: how many earlier tokens
+    there are (default P; a tensor in a compiled step, whose static cache is longer). spent: (B,)
+    experts those tokens took. Every new token is routed by the rule above over itself and all tokens
+    before it, so one call on a whole sequence (teacher forcing) routes each position exactly as
+    decoding step by step. strict=True caps each token at m*k minus what tokens 1..m-1 spent, so no
+    prefix overspends. Returns the mask (B, T, N), the new tokens' cache rows and the new spent."""
     B, T, N = scores.shape
     min_k, max_k = seqtopk_bounds(k, N, min_k, max_k)
     R = max_k - min_k  # the candidates of a token: its entries of rank [min_k, max_k)
     P = 0 if past is None else past.shape[1]
+    n_past = P if n_past is None else n_past
     spent = torch.zeros(B, dtype=torch.long, device=scores.device) if spent is None else spent
     ranked, order = scores.topk(max_k, dim=-1)  # each token's top max_k, ranked as seqtopk_mask ranks them
     candidates = ranked.narrow(-1, min_k, R)                                # (B, T, R)
@@ -113,8 +115,8 @@ def online_seqtopk_mask(scores, k, min_k=1, max_k=None, past=None, spent=None, s
         # m*(k - min_k) - 1 - j cached candidates score at least as high (its own j better ones come
         # before it too). Both sides move monotonically with j, so the taken ranks are a prefix.
         before = cached_at_least(past if P else scores.new_empty(B, 0, R), candidates).view(B, R)
-        most = (P + 1) * (k - min_k) - 1
-        taken = before <= torch.arange(most, most - R, -1, device=scores.device)  # made on the device: no copy
+        most = (n_past + 1) * (k - min_k) - 1
+        taken = before <= most - torch.arange(R, device=scores.device)  # made on the device: no copy
         mask = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, order.narrow(-1, 0, min_k), True)
         mask.scatter_(-1, order.narrow(-1, min_k, R), taken.view(B, 1, R))
         return mask, candidates, spent + min_k + taken.sum(-1)
@@ -144,7 +146,7 @@ def online_seqtopk_mask(scores, k, min_k=1, max_k=None, past=None, spent=None, s
     if P:  # the Expert Cache's tokens are all earlier
         before += cached_at_least(past, candidates)
     # taken: candidates with fewer than m*(k - min_k) before them (`before` counts the candidate too)
-    position = torch.arange(P + 1, P + T + 1, device=scores.device)  # m, 1-based
+    position = n_past + torch.arange(1, T + 1, device=scores.device)  # m, 1-based
     counts = (before <= (position * (k - min_k))[:, None]).sum(dim=-1) + min_k
     if strict:  # spent_m = min(spent_{m-1} + count_m, m*k), in closed form: a cumulative min
         total = counts.cumsum(dim=1)
@@ -177,12 +179,20 @@ def relu_gates(logits, threshold=0.0):
 # -----------------------------------------------------------------------------
 # gates, losses and step rules
 
-def routing_weights(scores, mask, renormalize=False):
-    """Gate values: the selected softmax scores, optionally renormalised to sum to 1 per token."""
+def routing_weights(scores, mask, renormalize=False, scale=1.0):
+    """Gate values: scale x the selected scores, optionally renormalised to sum to 1 per token first. Not
+    renormalised, a token given more experts gets more gate mass, which sequence-level routing relies on."""
     weights = scores * mask
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True).clamp_min(1e-9)
-    return weights
+    return scale * weights
+
+
+def auto_route_scale(cfg):
+    """The gate scale of route_scale=0: with uniform scores at initialisation, a token's top_k selected
+    scores sum to top_k/n_exp (softmax) or top_k/2 (sigmoid); this scale makes them sum to 1, so the MoE
+    output starts on the scale of one expert's, not top_k/n_exp of it."""
+    return (cfg.n_exp if cfg.score_func == 'softmax' else 2) / cfg.top_k
 
 
 def switch_balance(probs, mask, k):
@@ -221,17 +231,17 @@ def seqtopk_select(router, scores, cache, causal):
     bounds = (cfg.top_k, cfg.seq_min_k, cfg.seq_max_k or None)
     if cache is None and not causal:
         return seqtopk_mask(scores, *bounds)
-    past, spent = (None, None) if cache is None else (cache.get('candidates'), cache.get('spent'))
+    past, spent, n_past = (None, None, None) if cache is None else (cache.candidates, cache.spent, cache.count)
     if causal:
-        mask, candidates, spent = online_seqtopk_mask(scores, *bounds, past, spent, strict=cfg.seq_budget == 'strict')
+        mask, candidates, spent = online_seqtopk_mask(scores, *bounds, past, spent, strict=cfg.seq_budget == 'strict',
+                                                      n_past=n_past)
     else:
         mask = seqtopk_mask(scores, *bounds)
         min_k, max_k = seqtopk_bounds(cfg.top_k, cfg.n_exp, cfg.seq_min_k, cfg.seq_max_k or None)
         candidates = scores.topk(max_k, dim=-1).values[..., min_k:]
         spent = mask.sum(dim=(1, 2)) + (0 if spent is None else spent)
     if cache is not None:  # the Expert Cache: every token's candidate scores, and the experts spent
-        cache.append('candidates', candidates)
-        cache['spent'] = spent
+        cache.write_scores(candidates, spent)
     return mask
 
 
@@ -257,6 +267,28 @@ def relu_route(router, logits):
             router.active_sum.add_(mask.float().mean())
             router.active_count.add_(1)
     return mask, weights
+
+
+def balance_loss(router, logits, scores, mask, weights):
+    """The auxiliary loss of the routers that rank scores: the router z-loss, plus with balance='aux' the
+    Switch load-balance loss (on the scores normalised per token, for sigmoid scores)."""
+    cfg = router.config
+    loss = 0.0
+    if cfg.balance == 'aux':
+        probs = scores if cfg.score_func == 'softmax' else scores / scores.sum(dim=-1, keepdim=True)
+        loss = cfg.aux_loss_weight * switch_balance(probs, mask, router.budget())
+    return loss + cfg.z_loss_weight * logits.logsumexp(dim=-1).square().mean()
+
+
+@torch.no_grad()
+def bias_step(routers):
+    # Auxiliary-loss-free balancing (DeepSeek-V3): after every step each expert's bias moves by balance_rate
+    # toward an even load, up if it took fewer tokens than the mean expert, down if more.
+    """From the tokens each expert took in the step's training forwards (then cleared); none: no change."""
+    for router in routers:
+        load = router.expert_load
+        router.expert_bias.add_(router.config.balance_rate * torch.sign(load.mean() - load))
+        load.zero_()
 
 
 def relu_loss(router, logits, scores, mask, weights):
@@ -287,6 +319,12 @@ def relu_step(routers):
         router.active_count.zero_()
 
 
+def relu_check(cfg):
+    if cfg.balance == 'bias':
+        raise ValueError("--balance=bias needs a router that ranks scores; relu balances through its own "
+                         "regulariser (use --balance=aux)")
+
+
 def seqtopk_check(cfg):
     """The per-token bounds must contain top_k, so that a sequence can spend exactly T*top_k."""
     max_k = cfg.seq_max_k or cfg.top_k + 2
@@ -303,25 +341,30 @@ def seqtopk_check(cfg):
 #   route(router, logits) -> (mask, gates), for a router whose gates are not the selected scores (relu)
 #   exact(router, causal): the selection takes exactly top_k pairs per token (the current k in training),
 #     known before it runs, so the dispatch has static shapes and never waits on the device
+#   slots(router): the most experts one token takes in a decoding step (None: no bound worth using), so
+#     that a decoding step runs with static shapes too
 #   draw(k, n_layers, generator): each MoE layer's k for one training step (default: top_k)
-#   loss(router, logits, scores, mask, gates): the auxiliary loss (default: Switch balance + z-loss)
+#   loss(router, logits, scores, mask, gates): the auxiliary loss (default: balance_loss)
 #   step(routers): a step rule, once per optimizer step, over every MoE layer's router
 #   state: the buffers it keeps (saved in checkpoints, averaged over DDP ranks after every step)
 #   calibrate(router): whether an evaluation-only run must first set its state from training batches
 #   online: it routes a token differently when it may see only the tokens before it (causal evaluation)
 #   check(config): ValueError for settings it cannot route with (besides 1 <= top_k <= n_exp)
-Spec = namedtuple('Spec', 'select route exact draw loss step state calibrate online check',
-                  defaults=(None, None, lambda router, causal: False, None, None, None, (), None, False, None))
+Spec = namedtuple('Spec', 'select route exact slots draw loss step state calibrate online check',
+                  defaults=(None, None, lambda router, causal: False, lambda router: None, None, None, None, (), None,
+                            False, None))
 ROUTERS = {
     'topk': Spec(select=lambda router, scores, cache, causal: topk_mask(scores, router.budget()),
-                 exact=lambda router, causal: True),
+                 exact=lambda router, causal: True, slots=lambda router: router.config.top_k),
     # training: this step's draw (router.k); evaluation and generation: top_k
     'mrltopk': Spec(select=lambda router, scores, cache, causal: topk_mask(scores, router.budget()),
-                    exact=lambda router, causal: True, draw=mrltopk_draw),
-    'seqtopk': Spec(select=seqtopk_select, exact=lambda router, causal: not causal, online=True, check=seqtopk_check),
+                    exact=lambda router, causal: True, slots=lambda router: router.config.top_k, draw=mrltopk_draw),
+    'seqtopk': Spec(select=seqtopk_select, exact=lambda router, causal: not causal, online=True, check=seqtopk_check,
+                    slots=lambda router: seqtopk_bounds(router.config.top_k, router.config.n_exp, router.config.seq_min_k,
+                                                        router.config.seq_max_k or None)[1]),
     'batchtopk': Spec(select=batchtopk_select, exact=lambda router, causal: router.training, state=('threshold',),
                       calibrate=lambda router: bool(router.threshold <= 0)),
-    'relu': Spec(route=relu_route, loss=relu_loss, step=relu_step,
+    'relu': Spec(route=relu_route, loss=relu_loss, step=relu_step, check=relu_check,
                  state=('threshold', 'l1_coef', 'active_sum', 'active_count')),
 }
 
@@ -344,16 +387,18 @@ def step_budgets(cfg, n_layers, generator=None):
 
 
 def step_rules(routers):
-    """Once per optimizer step: the routers' step rule, if theirs has one."""
+    """Once per optimizer step: the routers' step rule, if theirs has one, and the balance bias's."""
     if routers and ROUTERS[routers[0].config.router].step:
         ROUTERS[routers[0].config.router].step(routers)
+    if routers and routers[0].config.balance == 'bias':
+        bias_step(routers)
 
 
 class Router(nn.Module):
     """Token features (B, T, C) -> mask (B, T, N), gate weights (B, T, N), scores, auxiliary loss.
 
-    config fields used: n_embd, n_exp, router, top_k, seq_min_k, seq_max_k (0 = top_k + 2), seq_budget,
-    norm_topk_prob, aux_loss_weight, z_loss_weight, threshold_decay, relu_* (see the ROUTERS row).
+    config fields used: n_embd, n_exp, router, top_k, score_func, route_scale, norm_topk_prob, balance,
+    balance_rate, aux_loss_weight, z_loss_weight, and the router's own (seq_*, threshold_decay, relu_*).
     """
 
     def __init__(self, config):
@@ -372,6 +417,11 @@ class Router(nn.Module):
         self.register_buffer('l1_coef', torch.tensor(float(config.relu_l1_init)))
         self.register_buffer('active_sum', torch.zeros(()))
         self.register_buffer('active_count', torch.zeros(()))
+        # balance='bias': each expert's bias, added to the scores to choose experts (never to the gates), and
+        # the tokens each expert took in training since bias_step last ran
+        self.register_buffer('expert_bias', torch.zeros(config.n_exp))
+        self.register_buffer('expert_load', torch.zeros(config.n_exp))
+        self.route_scale = config.route_scale or auto_route_scale(config)
 
     def budget(self):
         """Experts per token this layer routes with now: this step's k in training, else top_k."""
@@ -382,9 +432,15 @@ class Router(nn.Module):
         runs (the exact budgets), else None. The dispatch then runs with static shapes and no sync."""
         return n_tokens * self.budget() if self.spec.exact(self, causal) else None
 
+    def slots(self):
+        """The most experts one token takes in a decoding step, if the router bounds it (else None)."""
+        return self.spec.slots(self)
+
     def state(self):
-        """The buffers this router keeps up to date (its row's state): averaged over DDP ranks, logged."""
-        return {name: getattr(self, name) for name in self.spec.state}
+        """The buffers this router keeps up to date (its row's state, and the balance bias with the load it
+        is stepped from): averaged over DDP ranks, logged."""
+        names = self.spec.state + (('expert_bias', 'expert_load') if self.config.balance == 'bias' else ())
+        return {name: getattr(self, name) for name in names}
 
     def needs_calibration(self):
         return bool(self.spec.calibrate and self.spec.calibrate(self))
@@ -397,15 +453,17 @@ class Router(nn.Module):
         # fp32 even under autocast: ranking near-tied scores must not depend on bf16 rounding
         with torch.autocast(device_type=x.device.type, enabled=False):
             logits = F.linear(x.float(), self.gate.weight.float())
-        scores = logits.softmax(dim=-1)
+        scores = logits.softmax(dim=-1) if cfg.score_func == 'softmax' else logits.sigmoid()
         if self.spec.route:
             mask, weights = self.spec.route(self, logits)
-        else:
-            mask = self.spec.select(self, scores, cache, causal)
-            weights = routing_weights(scores, mask, cfg.norm_topk_prob)
+        else:  # balance='bias': the bias decides which experts a token takes, never how much they weigh
+            choice = scores + self.expert_bias if cfg.balance == 'bias' else scores
+            mask = self.spec.select(self, choice, cache, causal)
+            weights = routing_weights(scores, mask, cfg.norm_topk_prob, self.route_scale)
+            if cfg.balance == 'bias' and self.training:
+                with torch.no_grad():
+                    self.expert_load.add_(mask.sum(dim=(0, 1)))
         aux_loss = 0.0
         if cache is None:
-            aux_loss = (self.spec.loss(self, logits, scores, mask, weights) if self.spec.loss else
-                        cfg.aux_loss_weight * switch_balance(scores, mask, self.budget())
-                        + cfg.z_loss_weight * logits.logsumexp(dim=-1).square().mean())  # router z-loss
+            aux_loss = (self.spec.loss or balance_loss)(self, logits, scores, mask, weights)
         return mask, weights, scores, aux_loss

@@ -3,9 +3,11 @@ Generate text from a trained checkpoint.
 
     python sample.py --out_dir=out --start="ROMEO:" --max_new_tokens=300
     python sample.py --start=FILE:prompt.txt
+    python sample.py --compile=True --temperature=0     # the decoding step compiled to one graph
 """
 import os
 import sys
+import time
 
 import torch
 
@@ -27,6 +29,7 @@ device = 'auto'
 dtype = 'auto'             # 'auto' (bf16 on GPUs that have it, else float32), 'float32', 'bfloat16', 'float16'
 use_cache = True           # decode with the KV cache and the Expert Cache (False: recompute every step)
 prompt_routing = 'online'  # 'online': the prompt token by token, as generation; 'joint': as one sequence
+compile = False            # compile the cached decoding step (once, then reused; CUDA: replayed as a CUDA graph)
 color = False              # colour each token by the experts it took, mean over MoE layers (paper Fig. 5b)
 # -----------------------------------------------------------------------------
 # what each setting may be (configurator.py), checked before anything runs
@@ -34,7 +37,9 @@ RULES = dict(out_dir=non_empty, start=non_empty, num_samples=positive_int, max_n
              temperature=non_negative, sample_top_k=non_negative_int, seed=non_negative_int, device=device_name,
              dtype=one_of('auto', 'float32', 'bfloat16', 'float16'), prompt_routing=one_of('online', 'joint'))
 RELATIONS = [('prompt_routing', lambda c: c['prompt_routing'] == 'online' or c['use_cache'],
-              "'online' with --use_cache=False (recomputing would re-route the prompt)")]
+              "'online' with --use_cache=False (recomputing would re-route the prompt)"),
+             ('compile', lambda c: not c['compile'] or c['use_cache'],
+              "False with --use_cache=False (it compiles the cached decoding step)")]
 configure(globals(), sys.argv[1:], RULES, RELATIONS)
 
 
@@ -100,6 +105,13 @@ if __name__ == '__main__':
              f"shorten --start")
     x = torch.tensor(start_ids, dtype=torch.long, device=device)[None, ...]
     cfg = model.config
+    sync = torch.cuda.synchronize if device.startswith('cuda') else lambda: None
+    if compile:  # compiled once, by a short greedy generation (it draws no random numbers), timed apart
+        t0 = time.time()
+        with ctx:
+            model.generate(x[:, :1], 2, temperature=0, compile=True)
+        sync()
+        print(f"[compiled the decoding step in {time.time() - t0:.1f} s]")
     for _ in range(num_samples):
         counts = []  # per step: experts each MoE layer gave the newest token
         prompt_counts = []  # experts per prompt token, mean over layers
@@ -108,13 +120,16 @@ if __name__ == '__main__':
             if not prompt_counts:
                 prompt_counts.append(torch.stack([mask[0].sum(-1) for mask, _ in routing]).float().mean(0))
             counts.append(torch.stack([mask[0, -1].sum() for mask, _ in routing]))
+        t0 = time.time()
         try:
             with ctx:
                 y = model.generate(x, max_new_tokens, temperature=temperature, sample_top_k=sample_top_k or None,
-                                   use_cache=use_cache, prompt_routing=prompt_routing,
+                                   use_cache=use_cache, prompt_routing=prompt_routing, compile=compile,
                                    on_step=count_experts if model.routers() else None)  # a dense GPT routes nothing
         except ValueError as e:
             fail(e)
+        sync()
+        seconds = time.time() - t0
         # every generated token but the last went through the MoE layers as the newest token
         counts = torch.stack(counts[1:]).long().cpu() if len(counts) > 1 else torch.zeros(0, dtype=torch.long)
         prompt_counts = prompt_counts[0].tolist() if prompt_counts else []
@@ -129,4 +144,6 @@ if __name__ == '__main__':
                   f"min {counts.min().item()}, max {counts.max().item()}, "
                   f"per layer {[round(v, 2) for v in counts.float().mean(0).tolist()]}, "
                   f"histogram (0..{cfg.n_exp} experts) {hist}")
+        print(f"[{max_new_tokens} tokens in {seconds:.2f} s: {max_new_tokens / seconds:.1f} tokens/s, "
+              f"{'compiled' if compile else 'eager'}, {dtype}]")
         print('---------------')

@@ -5,6 +5,7 @@ with every router's paired difference from topk (same seed = same initialisation
     python sweep.py config/sweep_cpu.py                 # pretraining, with dense rows
     python sweep.py config/sweep_finetune_cpu.py        # the paper's Table 1 protocol
     python sweep.py --routers=topk,seqtopk --top_ks=4,2 --seeds=1,2,3 --max_iters=300
+    python sweep.py --routers=topk,topk+route_scale=1,seqtopk+balance=bias   # variants: a router and its settings
 
 Finished runs are reused (a run counts as finished when its log.jsonl holds the 'done' record), so
 an interrupted sweep picks up where it stopped. finetune=True pretrains TopK at K=pretrain_k once per
@@ -12,6 +13,8 @@ seed, fine-tunes that checkpoint with every router at every K, and adds "trainin
 TopK checkpoint evaluated with that routing and no training (mrltopk is left out there: its
 evaluation is topk's). dense='active,total' adds dense GPTs (--moe_every=0) trained like the MoE
 runs: FFN width K*exp_dim (the MoE's active parameters at each K) and n_exp*exp_dim (its total).
+A router in `routers` may carry settings of its own, `router+key=value+...`: a row of its own, paired
+with plain topk like the others.
 
 Writes out_root/sweep.json (rows, per-run records) and out_root/sweep.csv (rows).
 """
@@ -45,7 +48,8 @@ jobs = 1                  # runs at once; with more than one, each run gets cpu_
 train_args = '--n_exp=32 --exp_dim=32 --eval_interval=500'  # passed to every train.py run
 # -----------------------------------------------------------------------------
 # what each setting may be (configurator.py), checked before anything runs; train.py checks train_args itself
-RULES = dict(out_root=non_empty, routers=each(one_of(*ROUTERS)), top_ks=each(positive_int, int),
+RULES = dict(out_root=non_empty, routers=each(one_of(*ROUTERS), convert=lambda item: item.split('+')[0]),
+             top_ks=each(positive_int, int),
              seeds=each(non_negative_int, int), max_iters=positive_int, pretrain_k=positive_int,
              pretrain_iters=positive_int, jobs=positive_int,
              dense=Rule(lambda v: v == '' or all(item in ('active', 'total') for item in v.split(',')),
@@ -91,6 +95,11 @@ def train(out_dir, *args):
 
 # -----------------------------------------------------------------------------
 
+def router_of(variant):
+    """The router of a row's variant: 'seqtopk+balance=bias' -> 'seqtopk'."""
+    return variant.split('+')[0]
+
+
 def plan(ks, seed_list, router_list):
     """The runs of the sweep in the order they start: (group, K, seed, name, args, after).
     group = (router, kind) names the table row (None: a pretraining run); after is the name of a run
@@ -106,11 +115,12 @@ def plan(ks, seed_list, router_list):
     for k in ks:
         groups = [(r, 'train') for r in router_list]
         if finetune:  # the pretrained TopK checkpoint evaluated with each routing at this K, no training
-            groups += [(r, 'training-free') for r in router_list if r != 'mrltopk']
+            groups += [(r, 'training-free') for r in router_list if router_of(r) != 'mrltopk']
         for router, kind in groups:
             for seed in seed_list:
                 name = f"{'ft-' if finetune else ''}{router}-k{k}-s{seed}" + ('-free' if kind != 'train' else '')
-                args = [f'--router={router}', f'--top_k={k}', f'--seed={seed}', f'--max_iters={max_iters}']
+                args = [f'--router={router_of(router)}', *[f'--{s}' for s in router.split('+')[1:]], f'--top_k={k}',
+                        f'--seed={seed}', f'--max_iters={max_iters}']
                 base = f'pretrain-topk-k{pretrain_k}-s{seed}' if finetune else None
                 if base:
                     args.append(f"--init_from={os.path.join(out_root, base, 'ckpt.pt')}")
@@ -207,6 +217,7 @@ def main():
             offline_s, offline_mean = mean_std(offline.values())
             causal_s, causal_mean = mean_std([f['val_ce_causal'] for f in finals])
             experts = [f['experts_mean'] for f in finals if f.get('experts_mean') is not None]
+            trained = [f['experts_trained'] for f in finals if f.get('experts_trained') is not None]
             rows.append(dict(
                 row=label, router=router, kind=kind, K=k, sparsity=f"{k}/{finals[0]['n_exp']}" if router != 'dense' else '',
                 seeds=len(finals), params=finals[0].get('params'), active_params=finals[0].get('active_params'),
@@ -215,6 +226,7 @@ def main():
                 diff_causal_vs_topk=d_causal['mean'], diff_causal_low=d_causal['low'],
                 diff_causal_high=d_causal['high'],
                 experts_per_token=float(np.mean(experts)) if experts else None,
+                experts_per_token_trained=float(np.mean(trained)) if trained else None,
                 wall_s=float(np.mean([f['time'] for f in finals]))))
     records = [dict(finished[name], name=name, kind=group[1] if group else 'pretrain', seed=seed)
                for group, _, seed, name, _, _ in runs]
@@ -226,16 +238,17 @@ def main():
           "initialisation, batches and val batches; training-free rows: from topk training-free), mean over "
           "seeds [95% t-interval]; negative = lower than topk's\n")
     print("| row | K | K/N | params (active) | val CE (offline routing) | val CE (causal routing) "
-          "| Δ vs topk (offline) | Δ vs topk (causal) | experts/token | wall s/run |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          "| Δ vs topk (offline) | Δ vs topk (causal) | experts/token (eval) | experts/token (training) | wall s/run |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         params = f"{r['params'] / 1e6:.2f}M ({r['active_params'] / 1e6:.2f}M)" if r['params'] else ''
         experts = f"{r['experts_per_token']:.2f}" if r['experts_per_token'] is not None else 'dense'
+        trained = f"{r['experts_per_token_trained']:.2f}" if r['experts_per_token_trained'] is not None else ''
         print(f"| {r['row']} | {r['K'] or ''} | {r['sparsity']} | {params} | {r['val_ce']} "
               f"| {r['val_ce_causal'] or 'same'} "
               f"| {format_difference(dict(mean=r['diff_vs_topk'], low=r['diff_low'], high=r['diff_high']))} "
               f"| {format_difference(dict(mean=r['diff_causal_vs_topk'], low=r['diff_causal_low'], high=r['diff_causal_high']))} "
-              f"| {experts} | {r['wall_s']:.0f} |")
+              f"| {experts} | {trained or ('' if r['router'] != 'dense' else 'dense')} | {r['wall_s']:.0f} |")
     with open(os.path.join(out_root, 'sweep.json'), 'w') as f:
         json.dump(dict(rows=rows, runs=records, train_args=train_args, max_iters=max_iters, seeds=seeds,
                        finetune=finetune, pretrain_k=pretrain_k, pretrain_iters=pretrain_iters,

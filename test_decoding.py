@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import counting_batches, needs_cuda, trained_tiny
-from model import Cache
+from cache import Cache
 from router import ROUTERS
 
 
@@ -21,7 +21,7 @@ def test_the_expert_cache_routes_decoding_exactly_like_the_causal_prefix_rule(ro
     seq = next(counting_batches(seed=3, B=2))[0][:, :24]
     seq[:, 10:] = torch.randint(0, 16, (2, 14))  # off-pattern tokens make routing vary more
     logits_tf, _, tf = model(seq, seq, causal=True)  # teacher forcing, one pass
-    cache = Cache(model.config.n_layer)
+    cache = Cache(model.config)
     steps = [model(seq[:, :6], seq[:, :6], cache=cache)]  # the prompt
     steps += [model(seq[:, m:m + 1], seq[:, m:m + 1], cache=cache) for m in range(6, 24)]
     for layer, (mask_tf, _) in enumerate(tf['routing']):
@@ -29,8 +29,10 @@ def test_the_expert_cache_routes_decoding_exactly_like_the_causal_prefix_rule(ro
     torch.testing.assert_close(torch.cat([logits for logits, _, _ in steps], dim=1), logits_tf,
                                rtol=1e-4, atol=1e-4)
     if router == 'seqtopk':
-        # the Expert Cache holds every token's scores of rank min_k..max_k-1 (here 1..3 of 4 experts)
-        assert cache.layers[0]['candidates'].shape == (2, 24, 3)
+        # the Expert Cache holds every token's scores of rank min_k..max_k-1 (here 1..3 of 4 experts), in a
+        # buffer of block_size tokens whose unwritten slots can never score as high as a real one
+        assert cache.layers[0].candidates.shape == (2, 32, 3) and cache.layers[0].count.item() == 24
+        assert (cache.layers[0].candidates[:, 24:] == float('-inf')).all()
 
 
 @pytest.mark.parametrize("router", ROUTERS)
@@ -56,12 +58,12 @@ def test_causal_routing_in_the_model_ignores_later_tokens():
 def test_a_prompt_routed_jointly_takes_offline_seqtopk_then_decodes_online():
     model = trained_tiny('seqtopk')
     seq = torch.randint(0, 16, (2, 20), generator=torch.Generator().manual_seed(6))
-    cache = Cache(model.config.n_layer)
+    cache = Cache(model.config)
     _, _, prompt = model(seq[:, :12], cache=cache, causal=False)  # what prompt_routing='joint' does
     _, _, offline = model(seq[:, :12], causal=False)
     for (mask_p, _), (mask_o, _) in zip(prompt['routing'], offline['routing']):
         assert torch.equal(mask_p, mask_o)
-    assert torch.equal(cache.layers[0]['spent'], torch.full((2,), 12 * 2))  # exact budget on the prompt
+    assert torch.equal(cache.layers[0].spent, torch.full((2,), 12 * 2))  # exact budget on the prompt
     _, _, step = model(seq[:, 12:13], cache=cache)
     assert all(mask.shape == (2, 1, 4) and mask.sum() >= 2 for mask, _ in step['routing'])
 
@@ -73,7 +75,7 @@ def test_a_bf16_decoding_step_casts_only_the_experts_it_uses_and_matches_fp32():
     logits = {}
     for dtype in (torch.float32, torch.bfloat16):
         with torch.inference_mode(), torch.autocast('cpu', dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
-            cache = Cache(model.config.n_layer)
+            cache = Cache(model.config)
             model(prompt, cache=cache)
             with profile(record_shapes=True) as prof:
                 logits[dtype] = model(prompt[:, -1:], cache=cache)[0].float()
@@ -89,3 +91,58 @@ def test_cuda_cached_generation_equals_full_recompute():
     prompt = torch.randint(0, 16, (2, 5), generator=torch.Generator().manual_seed(1)).cuda()
     cached = model.generate(prompt, 25, temperature=0, use_cache=True)
     assert torch.equal(cached, model.generate(prompt, 25, temperature=0, use_cache=False))
+
+
+# -----------------------------------------------------------------------------
+# compiled decoding: one graph per step, the same tokens
+
+def expert_counts(routing, into):
+    into.append(torch.cat([mask.sum(-1) for mask, _ in routing], dim=-1))  # (B, tokens x layers)
+
+
+@pytest.mark.parametrize("router,kw", [("topk", {}), ("seqtopk", {}), ("seqtopk", {'seq_budget': 'strict'})])
+def test_compiled_decoding_gives_exactly_the_eager_tokens_and_expert_counts(router, kw):
+    torch._dynamo.reset()
+    model = trained_tiny(router, **kw)
+    prompt = torch.randint(0, 16, (2, 5), generator=torch.Generator().manual_seed(1))
+    runs = {}
+    for compile in (False, True):  # 5 + 34 tokens: past block_size=32 the cache starts again, compiled too
+        counts = []
+        tokens = model.generate(prompt, 34, temperature=0, compile=compile, on_step=lambda r: expert_counts(r, counts))
+        runs[compile] = tokens, counts
+    (eager, eager_counts), (compiled, compiled_counts) = runs[False], runs[True]
+    assert torch.equal(compiled, eager)
+    assert len(compiled_counts) == 34 and all(torch.equal(a, b) for a, b in zip(compiled_counts, eager_counts))
+
+
+@pytest.mark.parametrize("router", ["topk", "seqtopk"])
+def test_a_decoding_step_compiles_to_one_graph_with_no_break(router):
+    torch._dynamo.reset()
+    model = trained_tiny(router)
+    prompt = torch.randint(0, 16, (2, 5), generator=torch.Generator().manual_seed(1))
+    cache = Cache(model.config)
+    with torch.inference_mode():
+        model(prompt, cache=cache)
+        cache.reserve(1)  # the host's part, which generate does around the compiled step
+        explanation = torch._dynamo.explain(model.decode_step)(prompt[:, -1:].contiguous(), cache)
+    assert explanation.graph_break_count == 0 and explanation.graph_count == 1, explanation.break_reasons
+
+
+@needs_cuda
+@pytest.mark.parametrize("router", ["topk", "seqtopk"])
+def test_cuda_a_compiled_decoding_step_never_waits_on_the_host(router):
+    torch._dynamo.reset()
+    model = trained_tiny(router).cuda()
+    prompt = torch.randint(0, 16, (2, 5), generator=torch.Generator().manual_seed(1)).cuda()
+    cache, step = Cache(model.config), model.stepper(compile=True)
+    with torch.inference_mode():
+        model(prompt, cache=cache)
+        token = prompt[:, -1:].contiguous()
+        for _ in range(3):  # compile, record the CUDA graph, replay
+            step(token, cache)
+        torch.cuda.set_sync_debug_mode('error')  # any host sync raises
+        try:
+            logits, routing = step(token, cache)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    assert logits.shape == (2, 1, 16) and len(routing) == 2

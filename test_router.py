@@ -365,3 +365,68 @@ def test_a_new_router_is_one_function_and_a_row_in_the_table(monkeypatch):
     prompt = torch.randint(0, 16, (2, 5), generator=torch.Generator().manual_seed(1))
     assert torch.equal(model.generate(prompt, 10, temperature=0), model.generate(prompt, 10, temperature=0,
                                                                                  use_cache=False))
+
+
+# -----------------------------------------------------------------------------
+# gates and balance
+
+def test_the_gates_are_route_scale_times_the_selected_scores():
+    from router import Router
+    x = torch.randn(2, 12, 32, generator=torch.Generator().manual_seed(0))
+    for scale, want in ((3.0, 3.0), (1.0, 1.0), (0.0, 4 / 2)):  # 0: n_exp / top_k, the gates sum to ~1 at init
+        for score_func in ('softmax', 'sigmoid'):
+            router = Router(tiny_config('seqtopk', route_scale=scale, score_func=score_func))
+            mask, weights, scores, _ = router(x)
+            want_scale = want if scale or score_func == 'softmax' else 2 / 2  # sigmoid scores start near 1/2
+            assert router.route_scale == want_scale
+            torch.testing.assert_close(weights, want_scale * scores * mask, rtol=0, atol=0)
+            expected = (x @ router.gate.weight.t()).softmax(-1) if score_func == 'softmax' else \
+                (x @ router.gate.weight.t()).sigmoid()
+            torch.testing.assert_close(scores, expected)
+
+
+def test_seqtopk_gives_a_token_with_more_experts_more_gate_mass():
+    from router import routing_weights
+    scores = random_scores(4, 64, 16, seed=2)
+    mask = seqtopk_mask(scores, 2)  # 1 to 4 experts per token
+    count = mask.sum(-1)
+    mass = routing_weights(scores, mask, scale=8.0).sum(-1)
+    means = [mass[count == c].mean().item() for c in (1, 2, 3, 4)]
+    assert means == sorted(means) and means[-1] > 1.5 * means[0]
+    # each expert a token takes adds to its gate mass: its mass is its top-c scores'
+    ranked = scores.sort(dim=-1, descending=True).values.cumsum(-1)
+    torch.testing.assert_close(mass, 8.0 * ranked.gather(-1, (count - 1).unsqueeze(-1)).squeeze(-1))
+    # renormalised (--norm_topk_prob), one expert or four, every token gets the same mass: no extra capacity
+    torch.testing.assert_close(routing_weights(scores, mask, renormalize=True).sum(-1), torch.ones(4, 64))
+
+
+@pytest.mark.parametrize("router_name", ["topk", "seqtopk", "batchtopk"])
+def test_the_balance_bias_changes_which_experts_are_chosen_never_the_gate_values(router_name):
+    from router import Router
+    torch.manual_seed(0)
+    router = Router(tiny_config(router_name, balance='bias', n_exp=8)).train()
+    x = torch.randn(2, 16, 32)
+    mask, weights, scores, _ = router(x)
+    router.expert_bias[5] = 1.0  # larger than any softmax score gap: every token now chooses expert 5
+    biased_mask, biased_weights, biased_scores, _ = router(x)
+    assert not mask[..., 5].all() and biased_mask[..., 5].all()
+    torch.testing.assert_close(biased_scores, scores)  # the scores, and so the gates, are unbiased
+    torch.testing.assert_close(biased_weights, router.route_scale * scores * biased_mask)
+
+
+def test_balance_bias_lowers_the_load_cv_of_a_skewed_router_over_training():
+    def final_load_cv(balance):
+        torch.manual_seed(0)
+        model = GPT(tiny_config('topk', n_exp=8, balance=balance, balance_rate=0.02, aux_loss_weight=0.0, bias=True))
+        for block in model.transformer.h:  # skewed: every token's router input leans toward experts 0 and 1
+            direction = torch.randn(32)
+            block.ln_2.bias.data.copy_(direction)
+            block.ffn.router.gate.weight.data[:2] = 3 * direction / direction.norm() ** 2
+        loads = []
+        train_tiny(model, 40, check=lambda routing: loads.append(sum(mask.sum(dim=(0, 1)) for mask, _ in routing)))
+        cv = lambda load: (load.float().std(unbiased=False) / load.float().mean()).item()
+        return cv(loads[0]), cv(sum(loads[-5:]))
+    start, aux_free = final_load_cv('bias')
+    _, unbalanced = final_load_cv('none')
+    assert aux_free < start / 2 and aux_free < unbalanced / 2, (start, aux_free, unbalanced)
+    assert 'transformer.h.0.ffn.router.expert_bias' in GPT(tiny_config('topk', balance='bias')).state_dict()

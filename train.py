@@ -59,7 +59,11 @@ mlp_dim = 0                     # width of the dense FFN blocks (0 = 4 * n_embd)
 router = 'topk'                 # topk | mrltopk | seqtopk | batchtopk | relu (router.ROUTERS)
 seq_min_k = 1
 seq_max_k = 0                   # 0 = top_k + 2 (the paper's default); n_exp = no upper bound
+score_func = 'softmax'          # router scores: 'softmax' or 'sigmoid'
+route_scale = 0.0               # gates = route_scale x the selected scores (0 = auto, see router.auto_route_scale)
 norm_topk_prob = False
+balance = 'aux'                 # 'aux' (Switch loss), 'bias' (loss-free: a per-expert bias on the choice), 'none'
+balance_rate = 1e-3             # balance='bias': the bias's step per optimizer step
 aux_loss_weight = 0.01
 z_loss_weight = 0.001
 threshold_decay = 0.99          # batchtopk: EMA decay of the threshold used at evaluation
@@ -300,7 +304,7 @@ def estimate_loss():
         other = 'val_offline' if cfg.seq_causal else 'val_causal'
         losses['val_causal' if cfg.seq_causal else 'val_offline'] = losses['val']
         losses[other] = evaluate('val', causal=not cfg.seq_causal)[0]
-    layers = [dict(routing_stats(hist[i], load[i]), **{name: value.item() for name, value in r.state().items()})
+    layers = [dict(routing_stats(hist[i], load[i]), **{name: value.tolist() for name, value in r.state().items()})
               for i, r in enumerate(routers)]
     model.train()
     return losses, layers
@@ -326,7 +330,8 @@ def save_checkpoint():
     ckpt_io.save(dict(model=raw_model.state_dict(), optimizer=optimizer.state_dict(),
                       model_args=asdict(raw_model.config), config=config, iter_num=iter_num,
                       best_val_loss=best_val_loss, meta=meta, dataset=dataset,
-                      batch_gen_state=batch_state, torch_rng_state=torch.get_rng_state()), ckpt_path)
+                      batch_gen_state=batch_state, torch_rng_state=torch.get_rng_state(),
+                      pairs_trained=int(pairs_trained), tokens_trained=tokens_trained), ckpt_path)
     saved_iter = iter_num
 
 
@@ -382,6 +387,10 @@ if eval_only and any(r.needs_calibration() for r in routers):
             model(*get_batch('train', calibration))
 batch_state = batch_gen.get_state()  # the state that draws X, Y: a resumed run redraws the same batch
 X, Y = get_batch('train')
+# the compute training really spent: (token, expert) pairs the training forwards ran over the token-layers
+# they routed, for the whole run (a resumed run carries them on; rank 0's share under DDP)
+pairs_trained = torch.tensor(checkpoint.get('pairs_trained', 0) if init_from == 'resume' else 0, device=device)
+tokens_trained = checkpoint.get('tokens_trained', 0) if init_from == 'resume' else 0
 t_start = t_last = time.time()
 while True:
     lr = get_lr(iter_num)
@@ -396,13 +405,16 @@ while True:
         causal = (f" (offline {losses['val_offline']['ce']:.4f}, causal {losses['val_causal']['ce']:.4f}, "
                   f"worst causal prefix overspend {losses['val_causal']['prefix_overspend']:+d} experts)"
                   if 'val_causal' in losses else '')
+        experts_trained = pairs_trained.item() / tokens_trained if tokens_trained else None
         routing = (" | experts/token " + ' '.join(f"{l['experts_mean']:.2f}[{l['experts_min']}-{l['experts_max']}]"
                                                   for l in layers) +
-                   f" | load cv {layer_mean(layers, 'load_cv'):.3f}, entropy {layer_mean(layers, 'entropy'):.3f}"
+                   f" | load cv {layer_mean(layers, 'load_cv'):.3f}, entropy {layer_mean(layers, 'entropy'):.3f}" +
+                   (f" | {experts_trained:.2f} experts/token in training so far" if experts_trained else '')
                    if layers else '')
         print(f"step {iter_num}: train ce {losses['train']['ce']:.4f}, val ce {losses['val']['ce']:.4f}{causal}, "
               f"val aux {losses['val']['aux']:.4f}{routing}")
-        log(dict(event='eval', iter=iter_num, lr=lr, time=time.time() - t_start, layers=layers, **{
+        log(dict(event='eval', iter=iter_num, lr=lr, time=time.time() - t_start, layers=layers,
+                 experts_trained=experts_trained, **{
             f'{split}_{k}': v for split, d in losses.items() for k, v in d.items()}))
         improved = losses['val']['ce'] < best_val_loss
         best_val_loss = min(best_val_loss, losses['val']['ce'])
@@ -422,6 +434,9 @@ while True:
             _, ce, extra = model(X, Y, moe_ks=moe_ks)
             loss = (ce + extra['aux_loss']) / gradient_accumulation_steps
         step_loss = step_loss + loss.detach()
+        if routers:  # counted on the device: no host sync
+            pairs_trained += sum(mask.sum() for mask, _ in extra['routing'])
+            tokens_trained += X.numel() * len(routers)
         batch_state = batch_gen.get_state()
         X, Y = get_batch('train')  # fetch the next batch while the backward runs on GPU
         scaler.scale(loss).backward()
@@ -470,10 +485,12 @@ if master_process:  # the run's summary, also the last line of log.jsonl (sweep.
                    init_from=init_from, eval_only=eval_only, val_ce=losses['val']['ce'],
                    val_ce_offline=losses.get('val_offline', losses['val'])['ce'],
                    val_ce_causal=losses['val_causal']['ce'] if 'val_causal' in losses else None,
+                   experts_trained=experts_trained,
                    **{k: layer_mean(layers, k) for k in ('experts_mean', 'load_cv', 'entropy')})
     log(summary)
     causal = f", causal routing {summary['val_ce_causal']:.4f}" if 'val_causal' in losses else ''
-    routing = (f", experts/token {summary['experts_mean']:.2f}, load cv {summary['load_cv']:.3f}, "
+    trained = f" (in training {experts_trained:.2f})" if experts_trained else ''
+    routing = (f", experts/token {summary['experts_mean']:.2f}{trained}, load cv {summary['load_cv']:.3f}, "
                f"entropy {summary['entropy']:.3f} (means over MoE layers)" if layers else " (a dense GPT, no routing)")
     print(f"done: {iter_num} iterations, {summary['time']:.0f}s; final val ce {summary['val_ce']:.4f}{causal}"
           f"{routing}" + (f"; checkpoint in {ckpt_path}" if saved_iter is not None else ''))
