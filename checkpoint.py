@@ -4,9 +4,11 @@ weights_only=True) turns any file that is not a complete seqmoe checkpoint into 
 what is wrong with which file: empty, truncated, not a torch file, another project's (nanoGPT's),
 missing keys, weights that do not fit the model.
 """
+import io
 import os
 import re
 import warnings
+from contextlib import suppress
 from dataclasses import fields
 
 import torch
@@ -27,9 +29,21 @@ def non_finite(state_dict):
 
 
 def save(ckpt, path):
-    """Write to a temporary file, then rename: a run killed mid-save keeps its last good checkpoint."""
-    torch.save(ckpt, path + '.tmp')
-    os.replace(path + '.tmp', path)
+    """Write to a temporary file, then rename: a run killed mid-save keeps its last good checkpoint. When
+    the file system refuses (disk full, quota, I/O error), OSError, with the temporary file removed and the
+    last checkpoint as it was."""
+    buffer = io.BytesIO()
+    torch.save(ckpt, buffer)  # in memory first: a failed write is then an OSError that says why
+    try:
+        with open(path + '.tmp', 'wb') as f:
+            f.write(buffer.getbuffer())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(path + '.tmp', path)
+    except OSError:
+        with suppress(OSError):
+            os.remove(path + '.tmp')
+        raise
 
 
 def _fail(path, why):

@@ -37,7 +37,7 @@ class GPTConfig:
     seq_min_k: int = 1         # seqtopk per-token lower bound
     seq_max_k: int = 0         # seqtopk per-token upper bound; 0 = top_k + 2, n_exp = unbounded
     score_func: str = 'softmax'  # router scores from the logits: 'softmax' or 'sigmoid' (each expert on its own)
-    route_scale: float = 0.0   # gates = route_scale x the selected scores; 0 = router.auto_route_scale
+    route_scale: float = 0.0   # gates = route_scale x the selected scores; 0 = auto: each gate ~1 at init
     norm_topk_prob: bool = False  # renormalise the selected gate values to sum to 1 per token (then x route_scale)
     balance: str = 'aux'       # load balancing: 'aux' (Switch loss), 'bias' (loss-free: a bias on the choice), 'none'
     balance_rate: float = 1e-3  # balance='bias': the bias's step per optimizer step

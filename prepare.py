@@ -18,6 +18,7 @@ import pickle
 import re
 import socket
 import sys
+from contextlib import contextmanager, suppress
 from importlib.util import find_spec
 from urllib.parse import urlparse
 
@@ -29,6 +30,7 @@ GPT2_ENCODER_JSON_SHA256 = "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2
 OFFLINE_OPTIONS = ("offline, use the built-in data (python prepare.py), a local text file (--text=PATH) "
                    "or a local dataset file or folder (--dataset=PATH)")
 LOCAL_FORMATS = {'.json': 'json', '.jsonl': 'json', '.csv': 'csv', '.parquet': 'parquet', '.txt': 'text'}
+BUILTIN = {'shakespeare_char': [], 'shakespeare': ['--tokenizer=gpt2']}  # data/<name>: the arguments that make it
 
 
 # -----------------------------------------------------------------------------
@@ -161,11 +163,29 @@ def get_codec(meta):
 
 
 # -----------------------------------------------------------------------------
-# writing
+# writing: each file to a temporary name first, renamed once complete, so a full disk or an interrupted
+# run never leaves a truncated train.bin that looks finished
+
+@contextmanager
+def written(path):
+    """Yields a temporary path to write path's content to; renamed to path when the block ends, removed
+    if it fails."""
+    tmp = path + '.tmp'
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    except BaseException as e:
+        with suppress(OSError):
+            os.remove(tmp)
+        if isinstance(e, OSError):  # a write error names no file: name the one it was for
+            raise OSError(e.errno, e.strerror or str(e), path) from None
+        raise
+
 
 def write_bin(path, ids):
     arr = np.asarray(ids, dtype=np.uint16)
-    arr.tofile(path)
+    with written(path) as tmp, open(tmp, 'wb') as f:
+        f.write(arr.tobytes())
     return len(arr)
 
 
@@ -178,16 +198,65 @@ def write_hub_split(path, dataset, enc, text_column, num_proc):
     tokenized = dataset.map(tokenize, remove_columns=dataset.column_names, num_proc=num_proc,
                             desc=f"tokenizing {os.path.basename(path)}")
     total = int(np.sum(tokenized['len'], dtype=np.uint64))
-    arr = np.memmap(path, dtype=np.uint16, mode='w+', shape=(total,))
-    n_shards = max(1, min(1024, len(tokenized) // 1000))
-    pos = 0
-    for i in range(n_shards):
-        shard = tokenized.shard(num_shards=n_shards, index=i, contiguous=True).with_format('numpy')
-        chunk = np.concatenate(shard['ids']) if len(shard) else np.zeros(0, np.uint16)
-        arr[pos:pos + len(chunk)] = chunk
-        pos += len(chunk)
-    arr.flush()
+    with written(path) as tmp:
+        arr = np.memmap(tmp, dtype=np.uint16, mode='w+', shape=(total,))
+        n_shards = max(1, min(1024, len(tokenized) // 1000))
+        pos = 0
+        for i in range(n_shards):
+            shard = tokenized.shard(num_shards=n_shards, index=i, contiguous=True).with_format('numpy')
+            chunk = np.concatenate(shard['ids']) if len(shard) else np.zeros(0, np.uint16)
+            arr[pos:pos + len(chunk)] = chunk
+            pos += len(chunk)
+        arr.flush()
+        del arr
     return total
+
+
+def write_meta(path, meta):
+    with written(path) as tmp, open(tmp, 'wb') as f:
+        pickle.dump(meta, f)
+
+
+# -----------------------------------------------------------------------------
+# reading: a data folder checked before training starts
+
+def rebuild_command(data_dir):
+    """How to make data_dir again: the prepare.py command, in backticks (for a folder made from a file or a
+    dataset, with the user's source in place of FILE or SOURCE)."""
+    name = os.path.basename(os.path.normpath(data_dir))
+    out = '' if os.path.normpath(data_dir) == os.path.join('data', name) else f' --out_dir={data_dir}'
+    if name in BUILTIN:
+        return f"`{' '.join(['python prepare.py', *BUILTIN[name]])}{out}`"
+    return f"`python prepare.py --text=FILE --out_dir={data_dir}` (or `--dataset=SOURCE`)"
+
+
+def check_data(data_dir, block_size):
+    """The meta of a data folder made by prepare.py, after checking what training reads: train.bin and
+    val.bin, whole numbers of uint16 tokens, each longer than block_size + 1, and meta.pkl with its
+    fields. Otherwise ValueError with one line: the file, what is wrong, and the command that rebuilds it."""
+    redo = f"rebuild it with {rebuild_command(data_dir)}"
+    for name in ('train.bin', 'val.bin', 'meta.pkl'):
+        if not os.path.isfile(os.path.join(data_dir, name)):
+            raise ValueError(f"{os.path.join(data_dir, name)} is missing; {redo}")
+    for split in ('train', 'val'):
+        path = os.path.join(data_dir, f'{split}.bin')
+        size = os.path.getsize(path)
+        if size % 2:
+            raise ValueError(f"{path} is {size} bytes, not a whole number of uint16 tokens (a truncated copy?); {redo}")
+        if size // 2 <= block_size + 1:
+            raise ValueError(f"{path} has {size // 2} tokens, too few for block_size={block_size} (it needs more "
+                             f"than block_size + 1); use a smaller --block_size, or more text")
+    path = os.path.join(data_dir, 'meta.pkl')
+    try:
+        with open(path, 'rb') as f:
+            meta = pickle.load(f)
+    except Exception as e:  # any unreadable pickle: one line, not a traceback
+        raise ValueError(f"{path} cannot be read ({type(e).__name__}); {redo}") from None
+    needs = {'char': ('vocab_size', 'stoi', 'itos'), 'gpt2': ('vocab_size',)}
+    if not isinstance(meta, dict) or meta.get('tokenizer') not in needs or not all(k in meta for k in needs[meta['tokenizer']]):
+        raise ValueError(f"{path} is not a meta.pkl written by prepare.py (it needs a tokenizer, 'char' or 'gpt2', "
+                         f"and its vocab_size); {redo}")
+    return meta
 
 
 def main(argv=None):
@@ -210,6 +279,15 @@ def main(argv=None):
         sys.exit(f"error: --num_proc={args.num_proc} must be a positive integer")
     if args.val_fraction is not None and not 0 < args.val_fraction < 1:
         sys.exit(f"error: --val_fraction={args.val_fraction} must be in (0, 1)")
+    try:
+        return prepare(args, parser)
+    except OSError as e:  # a full disk, a quota, an I/O error: what was written is removed, nothing half-done stays
+        where = f"{os.path.dirname(str(e.filename))}/" if e.filename else "the data"
+        sys.exit(f"error: could not write {where} ({e.strerror or e}); free some space, or give another "
+                 f"--out_dir, and run prepare.py again")
+
+
+def prepare(args, parser):
     if args.dataset:
         if args.tokenizer == 'char':
             parser.error("datasets are tokenized with gpt2; drop --tokenizer=char")
@@ -249,8 +327,7 @@ def main(argv=None):
         n_val = write_bin(os.path.join(out_dir, 'val.bin'), encode(text[split_at:]))
         print(f"{n:,} characters of text, vocab size {meta['vocab_size']:,}: "
               f"train {n_train:,} tokens, val {n_val:,} tokens")
-    with open(os.path.join(out_dir, 'meta.pkl'), 'wb') as f:
-        pickle.dump(meta, f)
+    write_meta(os.path.join(out_dir, 'meta.pkl'), meta)
     print(f"wrote {out_dir}/train.bin, val.bin, meta.pkl")
     return out_dir
 

@@ -373,12 +373,15 @@ def test_a_new_router_is_one_function_and_a_row_in_the_table(monkeypatch):
 def test_the_gates_are_route_scale_times_the_selected_scores():
     from router import Router
     x = torch.randn(2, 12, 32, generator=torch.Generator().manual_seed(0))
-    for scale, want in ((3.0, 3.0), (1.0, 1.0), (0.0, 4 / 2)):  # 0: n_exp / top_k, the gates sum to ~1 at init
+    for scale, want in ((3.0, 3.0), (1.0, 1.0), (0.0, 4)):  # 0: n_exp, each gate about 1 at initialisation
         for score_func in ('softmax', 'sigmoid'):
             router = Router(tiny_config('seqtopk', route_scale=scale, score_func=score_func))
+            torch.nn.init.normal_(router.gate.weight, std=0.02)  # as GPT initialises it: near-uniform scores
             mask, weights, scores, _ = router(x)
-            want_scale = want if scale or score_func == 'softmax' else 2 / 2  # sigmoid scores start near 1/2
+            want_scale = want if scale or score_func == 'softmax' else 2  # sigmoid scores start near 1/2
             assert router.route_scale == want_scale
+            if not scale:  # auto: each selected gate starts near 1
+                assert abs(weights[mask].mean().item() - 1) < 0.2
             torch.testing.assert_close(weights, want_scale * scores * mask, rtol=0, atol=0)
             expected = (x @ router.gate.weight.t()).softmax(-1) if score_func == 'softmax' else \
                 (x @ router.gate.weight.t()).sigmoid()

@@ -38,7 +38,7 @@ def numeric_settings(script):
 
 # settings for which 0 means something (off, default, none, greedy); every other number must be > 0
 ZERO_OK = {
-    'train.py': {'dropout', 'moe_every', 'mlp_dim', 'seq_min_k', 'seq_max_k', 'aux_loss_weight', 'z_loss_weight',
+    'train.py': {'dropout', 'moe_every', 'mlp_dim', 'seq_min_k', 'seq_max_k', 'aux_loss_weight', 'z_loss_weight', 'route_scale',
                  'threshold_decay', 'relu_threshold_step', 'max_iters', 'weight_decay', 'beta1', 'beta2', 'grad_clip', 'warmup_iters',
                  'lr_decay_iters', 'min_lr', 'seed'},
     'sample.py': {'temperature', 'sample_top_k', 'seed'},
@@ -468,3 +468,110 @@ def test_a_run_killed_while_saving_leaves_a_loadable_checkpoint(workdir):
         ckpt = torch.load(out / 'ckpt.pt', weights_only=True)
         assert ckpt['iter_num'] >= 1 and 'model' in ckpt
         (out / 'ckpt.pt').unlink()
+
+
+# -----------------------------------------------------------------------------
+# faults at the file system's edges: damaged data folders, a full disk, an out_dir that cannot be one
+
+def test_a_damaged_data_folder_is_one_line_naming_the_file_and_the_command_that_rebuilds_it(workdir, tmp_path):
+    import pickle
+    good = workdir / 'data' / 'shakespeare_char'
+    cases = {  # folder name -> (how to damage a copy of the built-in data, what the line must say)
+        'truncated': (lambda d: os.truncate(d / 'train.bin', os.path.getsize(d / 'train.bin') - 1),
+                      'train.bin is 8619291 bytes, not a whole number of uint16 tokens'),
+        'no_meta': (lambda d: os.remove(d / 'meta.pkl'), 'meta.pkl is missing'),
+        'no_val': (lambda d: os.remove(d / 'val.bin'), 'val.bin is missing'),
+        'garbage_meta': (lambda d: (d / 'meta.pkl').write_bytes(os.urandom(64)), 'meta.pkl cannot be read'),
+        'foreign_meta': (lambda d: (d / 'meta.pkl').write_bytes(pickle.dumps({'vocab_size': 65})),  # nanoGPT's
+                         'meta.pkl is not a meta.pkl written by prepare.py'),
+        'short': (lambda d: os.truncate(d / 'val.bin', 40), 'val.bin has 20 tokens, too few for block_size=32'),
+    }
+    for name, (damage, message) in cases.items():
+        folder = tmp_path / 'data' / name
+        shutil.copytree(good, folder)
+        damage(folder)
+        line = one_error_line(run('train.py', TINY, f'--dataset={name}', '--out_dir=out', cwd=tmp_path))
+        assert f"data/{name}/" in line and message in line, line
+        if name != 'short':
+            assert f"`python prepare.py --text=FILE --out_dir=data/{name}`" in line, line
+        assert not (tmp_path / 'out').exists()  # nothing written
+    shutil.copytree(good, tmp_path / 'data' / 'shakespeare_char')  # the built-in data: its own command
+    os.remove(tmp_path / 'data' / 'shakespeare_char' / 'val.bin')
+    line = one_error_line(run('train.py', TINY, '--out_dir=out', cwd=tmp_path))
+    assert line.endswith("val.bin is missing; rebuild it with `python prepare.py`"), line
+
+
+# Runs a script with the file system refusing writes to files whose name ends with TARGET after LIMIT bytes
+# (the first `SKIP` such files are written in full): as a disk that fills up, or a quota that runs out.
+FULL_DISK = """
+import builtins, errno, os, runpy, sys
+real_open, opened = builtins.open, []
+
+class Full:
+    def __init__(self, f):
+        self.f, self.written = f, 0
+    def write(self, data):
+        if self.written + len(data) > LIMIT:
+            self.f.write(data[:max(0, LIMIT - self.written)])
+            self.f.flush()
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        self.written += len(data)
+        return self.f.write(data)
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+    def __enter__(self):
+        return self
+    def __exit__(self, *exc):
+        return self.f.__exit__(*exc)
+
+def full_disk_open(file, mode='r', *args, **kwargs):
+    f = real_open(file, mode, *args, **kwargs)
+    if str(file).endswith(TARGET) and ('w' in mode or 'a' in mode):
+        opened.append(file)
+        return f if len(opened) <= SKIP else Full(f)
+    return f
+
+builtins.open = full_disk_open
+script, sys.argv = sys.argv[1], sys.argv[1:]
+sys.path.insert(0, os.path.dirname(script))  # as `python script` would
+runpy.run_path(script, run_name='__main__')
+"""
+
+
+def run_on_a_full_disk(script, *args, cwd, target, limit=1000, skip=0):
+    driver = FULL_DISK.replace('TARGET', repr(target)).replace('LIMIT', str(limit)).replace('SKIP', str(skip))
+    return subprocess.run([sys.executable, '-c', driver, os.path.join(REPO, script), *args], cwd=cwd, env=OFFLINE_ENV,
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("target", ['ckpt.pt.tmp', 'log.jsonl'])
+def test_a_full_disk_stops_the_run_with_one_line_and_keeps_the_last_good_checkpoint(workdir, tmp_path, target):
+    out = tmp_path / 'full'
+    shutil.copytree(workdir / 'run', out)  # a checkpoint at step 10
+    before = (out / 'ckpt.pt').read_bytes()
+    common = [TINY, '--init_from=resume', '--max_iters=30', '--eval_interval=5', '--always_save_checkpoint=True',
+              f'--out_dir={out}']
+    line = one_error_line(run_on_a_full_disk('train.py', *common, cwd=workdir, target=target))
+    assert f"could not write {out}/{'ckpt.pt' if target.startswith('ckpt') else 'log.jsonl'} " \
+           f"(No space left on device)" in line, line
+    assert f"{out}/ckpt.pt is left as it was (step 10)" in line and '--init_from=resume' in line, line
+    assert (out / 'ckpt.pt').read_bytes() == before and not (out / 'ckpt.pt.tmp').exists()
+    assert all(json.loads(record) for record in open(out / 'log.jsonl'))  # no half-written line
+    resumed = run('train.py', *common, cwd=workdir)  # space again: it continues from step 10
+    assert resumed.returncode == 0, resumed.stderr
+    assert torch.load(out / 'ckpt.pt', weights_only=True)['iter_num'] == 30
+
+
+def test_prepare_on_a_full_disk_leaves_no_half_written_file(tmp_path):
+    line = one_error_line(run_on_a_full_disk('prepare.py', cwd=tmp_path, target='.bin.tmp', limit=10_000))
+    assert line == ("error: could not write data/shakespeare_char/ (No space left on device); free some space, "
+                    "or give another --out_dir, and run prepare.py again")
+    assert os.listdir(tmp_path / 'data' / 'shakespeare_char') == []
+
+
+def test_an_out_dir_that_cannot_be_one_is_said_before_anything_runs(workdir, tmp_path):
+    (tmp_path / 'afile').write_text('not a folder')
+    for out_dir, message in ((tmp_path / 'afile', 'exists and is not a folder'),
+                             (tmp_path / 'afile' / 'run', f'cannot be created ({tmp_path}/afile is not a folder)')):
+        line = one_error_line(run('train.py', TINY, f'--out_dir={out_dir}', cwd=workdir))
+        assert line == f"error: --out_dir={out_dir} {message}; give another --out_dir"

@@ -10,11 +10,11 @@ Every value below can be overridden with --key=value or a preset file (see confi
 import json
 import math
 import os
-import pickle
 import shlex
 import signal
 import sys
 import time
+from contextlib import suppress
 from dataclasses import asdict
 
 import numpy as np
@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import checkpoint as ckpt_io
+import prepare
 from configurator import (Rule, configure, device_name, fraction, non_empty, non_negative, non_negative_int, one_of,
                           positive, positive_int)
 from model import GPT, GPTConfig, ROUTING_KEYS
@@ -60,7 +61,7 @@ router = 'topk'                 # topk | mrltopk | seqtopk | batchtopk | relu (r
 seq_min_k = 1
 seq_max_k = 0                   # 0 = top_k + 2 (the paper's default); n_exp = no upper bound
 score_func = 'softmax'          # router scores: 'softmax' or 'sigmoid'
-route_scale = 0.0               # gates = route_scale x the selected scores (0 = auto, see router.auto_route_scale)
+route_scale = 0.0               # gates = route_scale x the selected scores (0 = auto: each gate ~1 at init)
 norm_topk_prob = False
 balance = 'aux'                 # 'aux' (Switch loss), 'bias' (loss-free: a per-expert bias on the choice), 'none'
 balance_rate = 1e-3             # balance='bias': the bias's step per optimizer step
@@ -122,9 +123,22 @@ def model_config(model_args):
     return checked
 
 
+def out_dir_problem(path):
+    """Why path cannot hold a run (None when it can), found before anything runs."""
+    if os.path.exists(path):
+        return None if os.path.isdir(path) else "exists and is not a folder"
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+        return f"cannot be created ({parent} is {'not a folder' if not os.path.isdir(parent) else 'not writable'})"
+
+
 model_args = {k: config[k] for k in ckpt_io.MODEL_KEYS if k in config}
 if init_from == 'scratch':  # resuming or fine-tuning: checked once merged with the checkpoint's settings
     model_config(model_args)
+if out_dir_problem(out_dir):
+    fail(f"--out_dir={out_dir} {out_dir_problem(out_dir)}; give another --out_dir")
 if device == 'auto':
     device = 'cuda' if torch.cuda.is_available() else 'cpu'
 device_type = 'cuda' if device.startswith('cuda') else device
@@ -156,23 +170,20 @@ dtype, ctx = autocast_for(device, dtype)
 # -----------------------------------------------------------------------------
 # data: the built-in datasets are prepared on first use, anything else must exist
 data_dir = os.path.join('data', dataset)
-if not os.path.exists(os.path.join(data_dir, 'train.bin')) and master_process:
-    builtin = {'shakespeare_char': [], 'shakespeare': ['--tokenizer=gpt2']}
-    if dataset not in builtin:
+if not os.path.exists(data_dir) and master_process:
+    if dataset not in prepare.BUILTIN:
         fail(f"no data in {data_dir}/; make it with `python prepare.py --text=FILE` or "
              f"`--dataset=HUB_NAME_OR_PATH` (or use the built-in --dataset=shakespeare_char)")
     print(f"preparing the built-in dataset '{dataset}' in {data_dir}/")
-    import prepare
-    prepare.main(builtin[dataset] + [f'--out_dir={data_dir}'])
+    prepare.main(prepare.BUILTIN[dataset] + [f'--out_dir={data_dir}'])
 if ddp:
     dist.barrier()  # the other ranks wait for rank 0 to prepare the data
-with open(os.path.join(data_dir, 'meta.pkl'), 'rb') as f:
-    meta = pickle.load(f)
+try:
+    meta = prepare.check_data(data_dir, block_size)  # every file there, whole, long enough, readable
+except ValueError as e:
+    fail(e)
 data = {split: np.memmap(os.path.join(data_dir, f'{split}.bin'), dtype=np.uint16, mode='r')
         for split in ('train', 'val')}
-for split, arr in data.items():
-    if len(arr) <= block_size:
-        fail(f"{data_dir}/{split}.bin has {len(arr)} tokens, fewer than block_size={block_size} + 1")
 batch_gen = torch.Generator().manual_seed(seed)  # draws the training batches; checkpointed
 
 
@@ -320,19 +331,51 @@ def get_lr(it):
 
 
 def log(record):
-    with open(os.path.join(out_dir, 'log.jsonl'), 'a') as f:
-        f.write(json.dumps(record) + '\n')
+    """Append a line to log.jsonl; if the file system refuses, the log is cut back to its last whole line
+    (and after a refused write, nothing more is written)."""
+    if io_error:
+        return
+    path = os.path.join(out_dir, 'log.jsonl')
+    size = os.path.getsize(path) if os.path.exists(path) else 0
+    try:
+        with open(path, 'a') as f:
+            f.write(json.dumps(record) + '\n')
+    except OSError as e:
+        with suppress(OSError):
+            os.truncate(path, size)
+        io_failed(path, e)
 
 
 def save_checkpoint():
     """Atomically (checkpoint.save): a run killed mid-save keeps its last good checkpoint."""
     global saved_iter
-    ckpt_io.save(dict(model=raw_model.state_dict(), optimizer=optimizer.state_dict(),
-                      model_args=asdict(raw_model.config), config=config, iter_num=iter_num,
-                      best_val_loss=best_val_loss, meta=meta, dataset=dataset,
-                      batch_gen_state=batch_state, torch_rng_state=torch.get_rng_state(),
-                      pairs_trained=int(pairs_trained), tokens_trained=tokens_trained), ckpt_path)
-    saved_iter = iter_num
+    if io_error:  # the run stops after this step; its last good checkpoint stays as it is
+        return
+    try:
+        ckpt_io.save(dict(model=raw_model.state_dict(), optimizer=optimizer.state_dict(),
+                          model_args=asdict(raw_model.config), config=config, iter_num=iter_num,
+                          best_val_loss=best_val_loss, meta=meta, dataset=dataset,
+                          batch_gen_state=batch_state, torch_rng_state=torch.get_rng_state(),
+                          pairs_trained=int(pairs_trained), tokens_trained=tokens_trained), ckpt_path)
+        saved_iter = iter_num
+    except OSError as e:
+        io_failed(ckpt_path, e)
+
+
+def io_failed(path, e):
+    """A write the file system refused (disk full, quota, I/O error): the run stops after this step, on
+    every rank, keeping its last good checkpoint (stop_on_io_error says so)."""
+    global io_error
+    io_error = io_error or f"could not write {path} ({e.strerror or e})"
+
+
+def stop_on_io_error():
+    if ddp:
+        dist.destroy_process_group()
+    kept = (f"{ckpt_path} is left as it was (step {saved_iter}); free some space, then continue with: "
+            f"{resume_command()}" if saved_iter is not None else "no checkpoint was written; free some space and "
+            "start again")
+    fail(f"{io_error}; {kept}")
 
 
 def check_weights(step):
@@ -370,11 +413,15 @@ def resume_command():
 
 # -----------------------------------------------------------------------------
 # training loop (rank 0 evaluates, logs and saves)
+saved_iter = checkpoint['iter_num'] if init_from == 'resume' else None  # this run's checkpoint in ckpt_path
+io_error = None  # the first write the file system refused (io_failed)
 if init_from != 'resume' and not eval_only and master_process:
-    open(os.path.join(out_dir, 'log.jsonl'), 'w').close()  # a new run starts a new log
+    with suppress(FileNotFoundError):
+        os.remove(os.path.join(out_dir, 'log.jsonl'))  # a new run starts a new log
     log(dict(event='start', config=config, model_args=asdict(cfg), params=raw_model.num_params(),
              active_params=raw_model.num_params(active=True)))
-saved_iter = checkpoint['iter_num'] if init_from == 'resume' else None  # this run's checkpoint in ckpt_path
+    if io_error:
+        stop_on_io_error()
 stop_signal = None  # set by request_stop
 signal.signal(signal.SIGTERM, request_stop)
 signal.signal(signal.SIGINT, request_stop)
@@ -444,10 +491,13 @@ while True:
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip or float('inf'))  # inf: measure only
     # one small all-reduce: every rank learns whether any rank diverged or was signalled, so all stop at this step
     finite = torch.isfinite(step_loss) & (torch.isfinite(grad_norm) | scaler.is_enabled())  # fp16: scaler skips infs
-    flags = torch.stack([~finite, torch.tensor(stop_signal is not None, device=finite.device)]).float()
+    flags = torch.stack([~finite, torch.tensor(stop_signal is not None, device=finite.device),
+                         torch.tensor(io_error is not None, device=finite.device)]).float()
     if ddp:
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-    diverged, stopping = flags.tolist()
+    diverged, stopping, failed_write = flags.tolist()
+    if failed_write:  # on rank 0 (the only one writing): every rank stops here, none goes on without it
+        stop_on_io_error()
     if diverged:  # the step is not applied; nothing is saved
         stop_diverged(iter_num + 1, f"the training loss is {float(step_loss):.4g}" if not torch.isfinite(step_loss) else
                       f"the gradient norm is {float(grad_norm):.4g}" if not finite else "another process's loss is not finite")
@@ -470,12 +520,16 @@ while True:
         if master_process:
             save_checkpoint()
             log(dict(event='stopped', iter=iter_num, signal=stop_signal))
+            if io_error:
+                stop_on_io_error()
             print(f"{stop_signal or 'signal on another rank'}: stopped after step {iter_num} and saved {ckpt_path}; "
                   f"continue with: {resume_command()}", flush=True)
         if ddp:
             dist.destroy_process_group()
         sys.exit(0)
 
+if io_error:  # the final save or log (rank 0)
+    stop_on_io_error()
 if ddp:
     dist.destroy_process_group()
 if master_process:  # the run's summary, also the last line of log.jsonl (sweep.py reads it)
@@ -488,6 +542,8 @@ if master_process:  # the run's summary, also the last line of log.jsonl (sweep.
                    experts_trained=experts_trained,
                    **{k: layer_mean(layers, k) for k in ('experts_mean', 'load_cv', 'entropy')})
     log(summary)
+    if io_error:
+        fail(f"{io_error}; the run finished and {ckpt_path} holds its last checkpoint (step {saved_iter})")
     causal = f", causal routing {summary['val_ce_causal']:.4f}" if 'val_causal' in losses else ''
     trained = f" (in training {experts_trained:.2f})" if experts_trained else ''
     routing = (f", experts/token {summary['experts_mean']:.2f}{trained}, load cv {summary['load_cv']:.3f}, "
