@@ -1,8 +1,8 @@
 """
-Reading and writing ckpt.pt. Saves are atomic; loading (always with
-weights_only=True) turns any file that is not a complete seqmoe checkpoint into one line saying
-what is wrong with which file: empty, truncated, not a torch file, another project's (nanoGPT's),
-missing keys, weights that do not fit the model.
+A run's files: reading and writing ckpt.pt, appending to log.jsonl, and the out_dir that holds them.
+Saves are atomic; loading (always with weights_only=True) turns any file that is not a complete
+seqmoe checkpoint into one line saying what is wrong with which file: empty, truncated, not a torch
+file, another project's (nanoGPT's), missing keys, weights that do not fit the model.
 """
 import io
 import os
@@ -44,6 +44,30 @@ def save(ckpt, path):
         with suppress(OSError):
             os.remove(path + '.tmp')
         raise
+
+
+def append_line(path, line):
+    """Append line to a log; when the file system refuses (OSError), the log is cut back to its last
+    whole line."""
+    size = os.path.getsize(path) if os.path.exists(path) else 0
+    try:
+        with open(path, 'a') as f:
+            f.write(line + '\n')
+    except OSError:
+        with suppress(OSError):
+            os.truncate(path, size)
+        raise
+
+
+def out_dir_problem(path):
+    """Why path cannot hold a run (None when it can), found before anything runs."""
+    if os.path.exists(path):
+        return None if os.path.isdir(path) else "exists and is not a folder"
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+        return f"cannot be created ({parent} is {'not a folder' if not os.path.isdir(parent) else 'not writable'})"
 
 
 def _fail(path, why):

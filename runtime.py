@@ -1,5 +1,5 @@
 """
-What the scripts set up in their process before a model runs: the dtype and autocast of a device, and
+What the scripts set up in their process before a model runs: the device, its dtype and autocast, and
 a CPU allocator that keeps freed memory for reuse.
 """
 import ctypes
@@ -7,6 +7,16 @@ import ctypes.util
 import platform
 
 import torch
+
+
+def pick_device(device):
+    """'auto' -> 'cuda' where a GPU is visible, else 'cpu'; ValueError for a device this machine lacks."""
+    if device == 'auto':
+        return 'cuda' if torch.cuda.is_available() else 'cpu'
+    if device.startswith('cuda') and not torch.cuda.is_available() or device == 'mps' and not torch.backends.mps.is_available():
+        raise ValueError(f"--device={device} is not available on this machine (no {device.split(':')[0]} device "
+                         f"is visible); use --device=cpu")
+    return device
 
 
 def autocast_for(device, dtype):

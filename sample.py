@@ -15,7 +15,7 @@ import checkpoint as ckpt_io
 from configurator import configure, device_name, non_empty, non_negative, non_negative_int, one_of, positive_int
 from model import GPT, GPTConfig
 from prepare import get_codec
-from runtime import autocast_for, keep_freed_cpu_memory
+from runtime import autocast_for, keep_freed_cpu_memory, pick_device
 
 # -----------------------------------------------------------------------------
 out_dir = 'out'            # where train.py wrote ckpt.pt
@@ -79,9 +79,10 @@ def colored(ids, experts, decode, top_k):
 
 
 if __name__ == '__main__':
-    device = ('cuda' if torch.cuda.is_available() else 'cpu') if device == 'auto' else device
-    if device.startswith('cuda') and not torch.cuda.is_available() or device == 'mps' and not torch.backends.mps.is_available():
-        fail(f"--device={device} is not available on this machine; use --device=cpu")
+    try:
+        device = pick_device(device)
+    except ValueError as e:
+        fail(e)
     dtype, ctx = autocast_for(device, dtype)  # as train.py
     torch.manual_seed(seed)
     keep_freed_cpu_memory()  # as train.py and bench.py: large CPU tensors reuse freed memory

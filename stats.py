@@ -29,6 +29,25 @@ def routing_counts(masks, entropy, k, bins=10):
                 overspend=int((per_token.cumsum(-1) - k * torch.arange(1, per_token.shape[-1] + 1)).max()))
 
 
+def add_counts(total, batch):
+    """Counts summed over batches (the worst overspend is the largest); total None: the first batch."""
+    return batch if total is None else {name: max(total[name], c) if name == 'overspend' else total[name] + c
+                                        for name, c in batch.items()}
+
+
+def predictive_entropy(logits):
+    """Each token's predictive entropy / log V, in [0, 1] (the paper's Fig. 5a axis)."""
+    logp = logits.float().log_softmax(-1)
+    return -(logp.exp() * logp).sum(-1) / math.log(logits.shape[-1])
+
+
+def routing_summary(counts, batches):
+    """What the routing figures plot, from counts summed over `batches` batches."""
+    return dict(experts_by_position=(counts['by_position'] / batches).tolist(),
+                experts_by_entropy=(counts['bin_experts'] / counts['bin_count'].clamp_min(1)).tolist(),
+                tokens_by_entropy=counts['bin_count'].tolist(), prefix_overspend=counts['overspend'])
+
+
 def routing_stats(hist, load):
     """hist[c] = tokens that took c experts (c = 0..N); load[e] = tokens sent to expert e."""
     hist, load = hist.double(), load.double()

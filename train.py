@@ -28,8 +28,8 @@ from configurator import (Rule, configure, device_name, fraction, non_empty, non
                           positive, positive_int)
 from model import GPT, GPTConfig, ROUTING_KEYS
 from router import step_budgets
-from runtime import autocast_for, keep_freed_cpu_memory
-from stats import layer_mean, routing_counts, routing_stats
+from runtime import autocast_for, keep_freed_cpu_memory, pick_device
+from stats import add_counts, layer_mean, predictive_entropy, routing_counts, routing_stats, routing_summary
 
 # -----------------------------------------------------------------------------
 # I/O
@@ -123,29 +123,16 @@ def model_config(model_args):
     return checked
 
 
-def out_dir_problem(path):
-    """Why path cannot hold a run (None when it can), found before anything runs."""
-    if os.path.exists(path):
-        return None if os.path.isdir(path) else "exists and is not a folder"
-    parent = os.path.dirname(os.path.abspath(path))
-    while not os.path.exists(parent):
-        parent = os.path.dirname(parent)
-    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
-        return f"cannot be created ({parent} is {'not a folder' if not os.path.isdir(parent) else 'not writable'})"
-
-
 model_args = {k: config[k] for k in ckpt_io.MODEL_KEYS if k in config}
 if init_from == 'scratch':  # resuming or fine-tuning: checked once merged with the checkpoint's settings
     model_config(model_args)
-if out_dir_problem(out_dir):
-    fail(f"--out_dir={out_dir} {out_dir_problem(out_dir)}; give another --out_dir")
-if device == 'auto':
-    device = 'cuda' if torch.cuda.is_available() else 'cpu'
+if ckpt_io.out_dir_problem(out_dir):
+    fail(f"--out_dir={out_dir} {ckpt_io.out_dir_problem(out_dir)}; give another --out_dir")
+try:
+    device = pick_device(device)
+except ValueError as e:
+    fail(e)
 device_type = 'cuda' if device.startswith('cuda') else device
-if device_type == 'cuda' and not torch.cuda.is_available():
-    fail("device=cuda but no CUDA GPU is visible; use --device=cpu")
-if device_type == 'mps' and not torch.backends.mps.is_available():
-    fail("device=mps but MPS is not available on this machine; use --device=cpu")
 if ddp:
     if device_type == 'cuda':
         local_rank = int(os.environ['LOCAL_RANK'])  # every rank checks, so that rank 0 says it
@@ -279,27 +266,18 @@ def evaluate(split, causal=None, entropy_bins=10):
     (in entropy_bins bins of H / log V); and the worst prefix overspend (experts taken by tokens
     1..m beyond m * top_k, what the online budget promises never happens)."""
     gen = torch.Generator().manual_seed(seed + (split == 'val'))  # the same batches at every eval
-    ce, aux, counts, overspend = [], [], {}, 0
+    ce, aux, counts = [], [], None
     for _ in range(eval_iters):
         X, Y = get_batch(split, gen)
         with ctx:
             logits, loss, extra = model(X, Y, causal=causal)
         ce.append(loss.item())
         aux.append(float(extra['aux_loss']))
-        if not extra['routing']:  # a dense GPT (moe_every=0) routes nothing
-            continue
-        logp = logits.float().log_softmax(-1)
-        entropy = -(logp.exp() * logp).sum(-1).cpu() / math.log(logits.shape[-1])  # (B, T) in [0, 1]
-        masks = torch.stack([mask for mask, _ in extra['routing']]).cpu()  # (layers, B, T, N)
-        batch = routing_counts(masks, entropy, cfg.top_k, entropy_bins)
-        overspend = max(overspend, batch.pop('overspend'))
-        counts = {name: counts.get(name, 0) + c for name, c in batch.items()}
-    result = dict(ce=float(np.mean(ce)), aux=float(np.mean(aux)))
-    if routers:
-        result.update(experts_by_position=(counts['by_position'] / eval_iters).tolist(),
-                      experts_by_entropy=(counts['bin_experts'] / counts['bin_count'].clamp_min(1)).tolist(),
-                      tokens_by_entropy=counts['bin_count'].tolist(), prefix_overspend=overspend)
-    return result, counts.get('hist'), counts.get('load')
+        if extra['routing']:  # a dense GPT (moe_every=0) routes nothing
+            masks = torch.stack([mask for mask, _ in extra['routing']]).cpu()  # (layers, B, T, N)
+            counts = add_counts(counts, routing_counts(masks, predictive_entropy(logits).cpu(), cfg.top_k, entropy_bins))
+    summary = routing_summary(counts, eval_iters) if counts else {}
+    return dict(ce=float(np.mean(ce)), aux=float(np.mean(aux)), **summary), counts
 
 
 def estimate_loss():
@@ -310,13 +288,13 @@ def estimate_loss():
     generation reaches."""
     model.eval()
     losses = {'train': evaluate('train')[0]}
-    losses['val'], hist, load = evaluate('val')
+    losses['val'], counts = evaluate('val')
     if any(r.spec.online for r in routers):  # 'val' is whichever of the two the model trains with
         other = 'val_offline' if cfg.seq_causal else 'val_causal'
         losses['val_causal' if cfg.seq_causal else 'val_offline'] = losses['val']
         losses[other] = evaluate('val', causal=not cfg.seq_causal)[0]
-    layers = [dict(routing_stats(hist[i], load[i]), **{name: value.tolist() for name, value in r.state().items()})
-              for i, r in enumerate(routers)]
+    layers = [dict(routing_stats(counts['hist'][i], counts['load'][i]),
+                   **{name: value.tolist() for name, value in r.state().items()}) for i, r in enumerate(routers)]
     model.train()
     return losses, layers
 
@@ -335,15 +313,10 @@ def log(record):
     (and after a refused write, nothing more is written)."""
     if io_error:
         return
-    path = os.path.join(out_dir, 'log.jsonl')
-    size = os.path.getsize(path) if os.path.exists(path) else 0
     try:
-        with open(path, 'a') as f:
-            f.write(json.dumps(record) + '\n')
+        ckpt_io.append_line(os.path.join(out_dir, 'log.jsonl'), json.dumps(record))
     except OSError as e:
-        with suppress(OSError):
-            os.truncate(path, size)
-        io_failed(path, e)
+        io_failed(os.path.join(out_dir, 'log.jsonl'), e)
 
 
 def save_checkpoint():
@@ -364,18 +337,19 @@ def save_checkpoint():
 
 def io_failed(path, e):
     """A write the file system refused (disk full, quota, I/O error): the run stops after this step, on
-    every rank, keeping its last good checkpoint (stop_on_io_error says so)."""
+    every rank, keeping its last good checkpoint."""
     global io_error
     io_error = io_error or f"could not write {path} ({e.strerror or e})"
 
 
-def stop_on_io_error():
+def stop(why, fix):
+    """Stop, on every rank, writing nothing more: ckpt.pt keeps the last good state; rank 0 says why and
+    how to go on."""
     if ddp:
         dist.destroy_process_group()
-    kept = (f"{ckpt_path} is left as it was (step {saved_iter}); free some space, then continue with: "
-            f"{resume_command()}" if saved_iter is not None else "no checkpoint was written; free some space and "
-            "start again")
-    fail(f"{io_error}; {kept}")
+    kept = (f"{ckpt_path} is left as it was (step {saved_iter}); {fix}, then continue with: {resume_command()}"
+            if saved_iter is not None else f"this run wrote no checkpoint; {fix}, then start again")
+    fail(f"{why}; {kept}")
 
 
 def check_weights(step):
@@ -389,14 +363,7 @@ def stop_diverged(step, what):
     """Stop a run that went non-finite, writing nothing: ckpt.pt keeps the last good state."""
     if master_process:
         log(dict(event='diverged', iter=step, what=what))
-    if ddp:
-        dist.destroy_process_group()
-    if not master_process:
-        raise SystemExit(1)  # rank 0 says why
-    kept = (f"{ckpt_path} is left as it was (step {saved_iter}); lower --learning_rate (now {learning_rate:g}) "
-            f"and continue with --init_from=resume" if saved_iter is not None else
-            f"this run wrote no checkpoint; start again with a lower --learning_rate (now {learning_rate:g})")
-    fail(f"{what} at step {step}: the run diverged and stopped; {kept}")
+    stop(f"{what} at step {step}: the run diverged and stopped", f"lower --learning_rate (now {learning_rate:g})")
 
 
 def request_stop(signum, frame):
@@ -421,7 +388,7 @@ if init_from != 'resume' and not eval_only and master_process:
     log(dict(event='start', config=config, model_args=asdict(cfg), params=raw_model.num_params(),
              active_params=raw_model.num_params(active=True)))
     if io_error:
-        stop_on_io_error()
+        stop(io_error, 'free some space')
 stop_signal = None  # set by request_stop
 signal.signal(signal.SIGTERM, request_stop)
 signal.signal(signal.SIGINT, request_stop)
@@ -497,7 +464,7 @@ while True:
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
     diverged, stopping, failed_write = flags.tolist()
     if failed_write:  # on rank 0 (the only one writing): every rank stops here, none goes on without it
-        stop_on_io_error()
+        stop(io_error, 'free some space')
     if diverged:  # the step is not applied; nothing is saved
         stop_diverged(iter_num + 1, f"the training loss is {float(step_loss):.4g}" if not torch.isfinite(step_loss) else
                       f"the gradient norm is {float(grad_norm):.4g}" if not finite else "another process's loss is not finite")
@@ -521,7 +488,7 @@ while True:
             save_checkpoint()
             log(dict(event='stopped', iter=iter_num, signal=stop_signal))
             if io_error:
-                stop_on_io_error()
+                stop(io_error, 'free some space')
             print(f"{stop_signal or 'signal on another rank'}: stopped after step {iter_num} and saved {ckpt_path}; "
                   f"continue with: {resume_command()}", flush=True)
         if ddp:
@@ -529,7 +496,7 @@ while True:
         sys.exit(0)
 
 if io_error:  # the final save or log (rank 0)
-    stop_on_io_error()
+    stop(io_error, 'free some space')
 if ddp:
     dist.destroy_process_group()
 if master_process:  # the run's summary, also the last line of log.jsonl (sweep.py reads it)
