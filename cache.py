@@ -17,7 +17,7 @@ class Cache:
         self.block_size = config.block_size
         self.length = 0   # tokens written, counted on the host: reserve() checks them against block_size
         self.pos = None   # the same on the device, where a (compiled) step reads and advances it
-        self.layers = [LayerCache(config.block_size) for _ in range(config.n_layer)]
+        self.layers = [LayerCache(self) for _ in range(config.n_layer)]
 
     def reserve(self, T):
         """Room for T more tokens, counted on the host; a compiled step leaves this to its caller."""
@@ -59,8 +59,9 @@ def static(buffer):
 class LayerCache:
     """One layer's part of a Cache, each buffer allocated for block_size tokens at its first write."""
 
-    def __init__(self, block_size):
-        self.block_size = block_size
+    def __init__(self, cache):
+        self.cache = cache  # the whole Cache, whose host count an eager step reads
+        self.block_size = cache.block_size
         self.k = self.v = None   # (B, n_head, block_size, head size): keys and values, head by head as attention reads them
         self.candidates = None   # (B, block_size, R): each token's candidate scores, -inf where no token is yet
         self.count = None        # (1,): the tokens in the Expert Cache

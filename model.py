@@ -96,6 +96,8 @@ class CausalSelfAttention(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0, is_causal=True)
         else:  # the KV cache: each query attends to every position up to its own (the unused rest is masked)
             k, v = cache.write_kv(k, v, pos)
+            if not torch.compiler.is_compiling():  # eagerly only the positions written so far; a compiled step
+                k, v = k[:, :, :cache.cache.length], v[:, :, :cache.cache.length]  # keeps the buffer's static shape
             allowed = torch.arange(k.shape[2], device=x.device) <= pos[:, None]
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
@@ -134,7 +136,9 @@ class MoE(nn.Module):
         # the experts run in the autocast dtype (bf16 on GPUs); the router above stays in fp32
         dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
         kernel = self.config.moe_impl == 'grouped'
-        decoding = T == 1 and kernel and not torch.is_grad_enabled()  # a decoding step: static slots, if bounded
+        # a decoding step with static shapes (the router's bound on a token's experts, unused slots gated 0) where
+        # it pays: compiled, or on a GPU, where counting the pairs would wait on the device
+        decoding = T == 1 and kernel and not torch.is_grad_enabled() and (x.is_cuda or torch.compiler.is_compiling())
         y = dispatch(x.reshape(-1, C).to(dtype), mask.view(-1, N), weights.view(-1, N).to(dtype),
                      self.w_fc, self.w_proj, self.router.fixed_pairs(B * T, causal), kernel=kernel,
                      slots=self.router.slots() if decoding else None)

@@ -100,6 +100,20 @@ def test_a_decoding_step_dispatch_with_fewer_pairs_than_experts_equals_the_refer
     torch.testing.assert_close(out, naive_moe(x, mask, weights, w_fc, w_proj), rtol=1e-4, atol=1e-5)
 
 
+def test_a_decoding_step_with_static_slots_equals_the_reference():
+    # each token runs `slots` pairs: the experts it takes, then its first again with a zero gate
+    g = torch.Generator().manual_seed(4)
+    M, C, H, N = 3, 16, 12, 8
+    mask = torch.zeros(M, N, dtype=torch.bool)
+    mask[0, [1, 6, 2]] = mask[1, 6] = True  # 3 experts, 1 expert, and none at all
+    weights = torch.rand(M, N, generator=g) * mask
+    x, w_fc, w_proj = torch.randn(M, C, generator=g), torch.randn(N, C, H, generator=g), torch.randn(N, H, C, generator=g)
+    with torch.inference_mode():
+        out = dispatch(x, mask, weights, w_fc, w_proj, slots=4)
+    torch.testing.assert_close(out, naive_moe(x, mask, weights, w_fc, w_proj), rtol=1e-4, atol=1e-5)
+    assert out[2].abs().max() == 0
+
+
 @pytest.mark.parametrize("router", ["topk", "mrltopk", "seqtopk", "batchtopk"])
 def test_the_exact_budgets_dispatch_with_static_shapes_equal_to_the_dynamic_path(router, monkeypatch):
     from router import Router
