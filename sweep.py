@@ -196,6 +196,7 @@ def main():
     for k in ks:
         topk = {kind: by_group[(('topk', kind), k)] for kind in ('train', 'training-free')
                 if (('topk', kind), k) in by_group}
+        dense_active = by_group.get((('dense', 'active'), k))  # the comparison that matters: same active params
         groups = [g for (g, gk) in by_group if gk == k] + [g for (g, gk) in by_group if gk is None]
         for group in groups:
             per_seed = by_group[(group, k)] if (group, k) in by_group else by_group[(group, None)]
@@ -210,6 +211,8 @@ def main():
                 if reference and not same else paired_difference({}, {})
             d_causal = paired_difference(causal, {s: f['val_ce_offline'] for s, f in reference.items()}) \
                 if reference and not same else paired_difference({}, {})
+            d_dense = paired_difference(causal, {s: f['val_ce_offline'] for s, f in dense_active.items()}) \
+                if dense_active and group != ('dense', 'active') else paired_difference({}, {})
             label = ({'active': f'dense, = active params (FFN {finals[0]["mlp_dim"]})',
                       'total': f'dense, = total params (FFN {finals[0]["mlp_dim"]})'}[kind] if router == 'dense'
                      else router + ('' if kind == 'train' else ' (training-free)') +
@@ -225,6 +228,7 @@ def main():
                 diff_vs_topk=d_off['mean'], diff_low=d_off['low'], diff_high=d_off['high'], diff_n=d_off['n'],
                 diff_causal_vs_topk=d_causal['mean'], diff_causal_low=d_causal['low'],
                 diff_causal_high=d_causal['high'],
+                diff_vs_dense=d_dense['mean'], diff_dense_low=d_dense['low'], diff_dense_high=d_dense['high'],
                 experts_per_token=float(np.mean(experts)) if experts else None,
                 experts_per_token_trained=float(np.mean(trained)) if trained else None,
                 wall_s=float(np.mean([f['time'] for f in finals]))))
@@ -237,9 +241,13 @@ def main():
     print("Δ = paired difference of final val cross-entropy from topk's at the same K and seed (same "
           "initialisation, batches and val batches; training-free rows: from topk training-free), mean over "
           "seeds [95% t-interval]; negative = lower than topk's\n")
+    vs_dense = any(r['diff_vs_dense'] is not None for r in rows)
+    if vs_dense:
+        print("Δ vs dense: the same, from the dense FFN with the row's active parameters (causal routing)\n")
     print("| row | K | K/N | params (active) | val CE (offline routing) | val CE (causal routing) "
-          "| Δ vs topk (offline) | Δ vs topk (causal) | experts/token (eval) | experts/token (training) | wall s/run |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          "| Δ vs topk (offline) | Δ vs topk (causal) " + ("| Δ vs dense, = active params " if vs_dense else "") +
+          "| experts/token (eval) | experts/token (training) | wall s/run |")
+    print("| --- " * (11 + vs_dense) + "|")
     for r in rows:
         params = f"{r['params'] / 1e6:.2f}M ({r['active_params'] / 1e6:.2f}M)" if r['params'] else ''
         experts = f"{r['experts_per_token']:.2f}" if r['experts_per_token'] is not None else 'dense'
@@ -248,6 +256,8 @@ def main():
               f"| {r['val_ce_causal'] or 'same'} "
               f"| {format_difference(dict(mean=r['diff_vs_topk'], low=r['diff_low'], high=r['diff_high']))} "
               f"| {format_difference(dict(mean=r['diff_causal_vs_topk'], low=r['diff_causal_low'], high=r['diff_causal_high']))} "
+              + (f"| {format_difference(dict(mean=r['diff_vs_dense'], low=r['diff_dense_low'], high=r['diff_dense_high']))} "
+                 if vs_dense else '') +
               f"| {experts} | {trained or ('' if r['router'] != 'dense' else 'dense')} | {r['wall_s']:.0f} |")
     with open(os.path.join(out_root, 'sweep.json'), 'w') as f:
         json.dump(dict(rows=rows, runs=records, train_args=train_args, max_iters=max_iters, seeds=seeds,

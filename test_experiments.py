@@ -73,6 +73,10 @@ def test_a_pretraining_sweep_adds_dense_rows_and_paired_differences(workdir):
     assert (row['diff_vs_topk'], row['diff_low'], row['diff_high'], row['diff_n']) == \
         (pytest.approx(d['mean']), pytest.approx(d['low']), pytest.approx(d['high']), 2)
     assert f"{d['mean']:+.4f} [{d['low']:+.4f}, {d['high']:+.4f}]" in result.stdout
+    # and every MoE row against the dense FFN with its active parameters, the comparison that matters
+    d = paired_difference({s: ce[f'topk-k4-s{s}'] for s in (1, 2)}, {s: ce[f'dense-active-k4-s{s}'] for s in (1, 2)})
+    row = next(r for r in summary['rows'] if r['router'] == 'topk' and r['K'] == 4)
+    assert (row['diff_vs_dense'], row['diff_dense_low']) == (pytest.approx(d['mean']), pytest.approx(d['low']))
     assert 'diff_causal_low' in (workdir / 'pre' / 'sweep.csv').read_text().splitlines()[0]
     # a re-run reuses every finished run
     again = run('sweep.py', *args, cwd=workdir)
