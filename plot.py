@@ -4,6 +4,7 @@ The paper's routing figures, from the metrics logs of finished runs (nothing is 
     python plot.py out-topk out-seqtopk                   # PNGs into the runs' common parent folder
     python plot.py sweeps/cpu/topk-k2-s1 sweeps/cpu/seqtopk-k2-s1 --out=sweeps/cpu
     python plot.py --sweep=sweeps/finetune_cpu/sweep.json # the sweep's figures, next to its sweep.json
+    python plot.py --bench=results/bench-cpu.json         # decoding.png: bench.py's decoding speeds
 
 With --sweep (the sweep.json written by sweep.py):
   paired_difference.png     every router's paired val-CE difference from topk vs K, mean over seeds
@@ -154,6 +155,24 @@ def plot_paired_differences(sweep, out):
     return path
 
 
+def plot_decoding(bench, out):
+    """bench.py's long-context decoding: tokens/s of each router and way (cache eager, cache compiled,
+    full recompute), from its JSON."""
+    fig, ax = figure(f"Decoding {bench['decode'][0]['new_tokens']} tokens, {bench['device']}, {bench['dtype']}",
+                     'router', 'tokens / s')
+    routers = list(dict.fromkeys(r['router'] for r in bench['decode']))
+    bars = [('full recompute', lambda r: r['recompute_tok_s'], 'eager')] + [
+        (f'KV + Expert Cache, {way}', lambda r: r['cached_tok_s'], way)
+        for way in dict.fromkeys(r['way'] for r in bench['decode'])]
+    for i, (label, value, way) in enumerate(bars):
+        speeds = [next(value(r) for r in bench['decode'] if r['router'] == router and r['way'] == way)
+                  for router in routers]
+        ax.bar([j + (i - (len(bars) - 1) / 2) * 0.8 / len(bars) for j in range(len(routers))], speeds,
+               width=0.8 / len(bars), label=label)
+    ax.set_xticks(range(len(routers)), routers)
+    return save(fig, ax, out, 'decoding.png')
+
+
 def sweep_runs(sweep, folder):
     """The out_dirs of the sweep's trained runs at its smallest K, first seed, one per router."""
     trained = [r for r in sweep['runs'] if r.get('kind') == 'train']
@@ -167,8 +186,14 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument('runs', nargs='*', help="out_dirs of train.py runs")
     parser.add_argument('--sweep', default=None, help="a sweep.json: its paired-difference and routing figures")
+    parser.add_argument('--bench', default=None, help="a bench.py JSON: its decoding figure")
     parser.add_argument('--out', default=None, help="folder for the PNGs (default: the runs' common parent)")
     args = parser.parse_args(argv)
+    if args.bench:
+        if not os.path.exists(args.bench):
+            raise SystemExit(f"error: no {args.bench}; run `python bench.py --json_out={args.bench}` first")
+        print(f"wrote {plot_decoding(json.load(open(args.bench)), args.out or os.path.dirname(args.bench) or '.')}")
+        return
     if args.sweep:
         if not os.path.exists(args.sweep):
             raise SystemExit(f"error: no {args.sweep}; run sweep.py first")
