@@ -298,7 +298,7 @@ class GPT(nn.Module):
         if not use_cache and (prompt_routing == 'joint' or compile):
             raise ValueError(f"{'compile=True' if compile else 'prompt_routing=joint'} needs use_cache=True: "
                              f"{'it compiles the cached step' if compile else 'recomputing would re-route the prompt'}")
-        cache, step = Cache(self.config), self.stepper(compile)
+        cache, step, idx_next = Cache(self.config), self.stepper(compile), None
         for i in range(max_new_tokens):
             if not use_cache:
                 logits, _, aux = self(idx[:, -self.config.block_size:], causal=True)

@@ -1,0 +1,301 @@
+"""
+The scripts' answers to faults, as tests: any bad checkpoint file, a diverging run, SIGTERM and torchrun
+stopping every rank at the same step, a run killed while saving, damaged data folders, a full disk, an
+out_dir that cannot be one. Each ends with one line, and the last good checkpoint kept.
+Run: python -m pytest -q
+"""
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import OFFLINE_ENV, REPO, TINY, exit_message, one_error_line, run
+
+# -----------------------------------------------------------------------------
+# checkpoint files
+
+def bad_checkpoints(good_path, folder):
+    """name -> (path of a bad ckpt.pt, what its error must say)."""
+    good = torch.load(good_path, weights_only=True)
+    data = open(good_path, 'rb').read()
+    nanogpt = dict(model={'transformer.wte.weight': torch.zeros(65, 8)}, optimizer={}, iter_num=5, best_val_loss=1.0,
+                   model_args=dict(n_layer=1, n_head=1, n_embd=8, block_size=8, bias=False, vocab_size=65, dropout=0.0),
+                   config={'dataset': 'shakespeare_char'})
+    nan_weights = dict(good, model={k: v.clone().fill_(float('nan')) if i == 0 else v
+                                    for i, (k, v) in enumerate(good['model'].items())})
+    kinds = {'garbage': (os.urandom(4096), 'is not a torch checkpoint file'),
+             'text': (b'{"model": 1}\n', 'is not a torch checkpoint file'),
+             'empty': (b'', 'is empty'),
+             'truncated': (data[:len(data) // 2], 'is truncated or corrupt'),
+             'nanogpt': (nanogpt, 'from another project (nanoGPT?)'),
+             'no_model_args': ({k: v for k, v in good.items() if k != 'model_args'}, 'it has no model_args'),
+             'missing_weight': (dict(good, model=dict(list(good['model'].items())[1:])), 'missing transformer.wte.weight'),
+             'nan_weights': (nan_weights, 'holds non-finite weights'),
+             'tensor': (torch.ones(3), 'holds a Tensor, not a checkpoint')}
+    paths = {}
+    for name, (content, message) in kinds.items():
+        os.makedirs(folder / name)
+        path = folder / name / 'ckpt.pt'
+        if isinstance(content, bytes):
+            path.write_bytes(content)
+        else:
+            torch.save(content, path)
+        paths[name] = (path, message)
+    return paths
+
+
+def test_any_bad_checkpoint_file_gets_one_line_from_train_and_sample(workdir, tmp_path, monkeypatch):
+    monkeypatch.chdir(workdir)
+    for name, (path, message) in bad_checkpoints(workdir / 'run' / 'ckpt.pt', tmp_path).items():
+        for script, args in (('train.py', [TINY, f'--init_from={path}', f'--out_dir={tmp_path}/ft']),
+                             ('sample.py', [f'--out_dir={path.parent}'])):
+            line = exit_message(script, args, monkeypatch)
+            assert line.startswith(f'error: {path} ') and message in line and '\n' not in line, (name, script, line)
+        if name == 'garbage':  # and the real thing, as a user runs it
+            assert str(path) in one_error_line(run('sample.py', f'--out_dir={path.parent}', cwd=workdir))
+            assert str(path) in one_error_line(run('train.py', f'--init_from={path}', '--out_dir=ft', cwd=workdir))
+    # resuming needs the optimizer and RNG state as well
+    out = tmp_path / 'no_optimizer'
+    out.mkdir()
+    torch.save({k: v for k, v in torch.load(workdir / 'run' / 'ckpt.pt', weights_only=True).items()
+                if k != 'optimizer'}, out / 'ckpt.pt')
+    line = exit_message('train.py', [TINY, '--init_from=resume', f'--out_dir={out}'], monkeypatch)
+    assert 'it has no optimizer' in line
+
+
+# -----------------------------------------------------------------------------
+# faults: divergence, preemption
+
+def test_a_diverging_run_stops_and_keeps_the_last_good_checkpoint(workdir, tmp_path):
+    out = tmp_path / 'div'
+    shutil.copytree(workdir / 'run', out)
+    before = (out / 'ckpt.pt').read_bytes()
+    line = one_error_line(run('train.py', TINY, '--init_from=resume', '--max_iters=40', '--learning_rate=1e4',
+                              f'--out_dir={out}', cwd=workdir))
+    assert re.search(r'at step \d+: the run diverged', line) and 'lower --learning_rate' in line, line
+    assert (out / 'ckpt.pt').read_bytes() == before  # not replaced
+    ckpt = torch.load(out / 'ckpt.pt', weights_only=True)
+    assert ckpt['iter_num'] == 10 and all(torch.isfinite(v).all() for v in ckpt['model'].values())
+    assert json.loads(open(out / 'log.jsonl').readlines()[-1])['event'] == 'diverged'
+    resumed = run('train.py', TINY, '--init_from=resume', '--max_iters=12', f'--out_dir={out}', cwd=workdir)
+    assert resumed.returncode == 0, resumed.stderr
+
+
+def train_losses(out_dir):
+    return {r['iter']: r['ce'] for r in map(json.loads, open(out_dir / 'log.jsonl')) if r['event'] == 'train'}
+
+
+def start_and_stop(cmd, cwd, after_line, target=None):
+    """Start a training command, send SIGTERM (to target(pid) or the process) once after_line is
+    printed, and return (return code, output, the step it stopped after)."""
+    proc = subprocess.Popen(cmd, cwd=cwd, env=OFFLINE_ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    output = []
+    for line in proc.stdout:
+        output.append(line)
+        if line.startswith(after_line):
+            os.kill(target(proc.pid) if target else proc.pid, signal.SIGTERM)
+            break
+    output += proc.stdout.readlines()
+    output = ''.join(output)
+    stopped = re.search(r'stopped after step (\d+) and saved', output)
+    return proc.wait(timeout=120), output, int(stopped.group(1)) if stopped else None
+
+
+def test_sigterm_saves_and_resume_equals_an_uninterrupted_run(workdir):
+    common = [os.path.join(REPO, 'train.py'), TINY, '--lr_decay_iters=40', '--eval_interval=1000', '--log_interval=1']
+    rc, output, step = start_and_stop([sys.executable, *common, '--max_iters=100000', '--out_dir=sig'],
+                                      workdir, after_line='iter 3:')
+    assert rc == 0 and step is not None and 'Traceback' not in output, output
+    assert f"continue with: python {common[0]}" in output and '--init_from=resume' in output
+    assert torch.load(workdir / 'sig' / 'ckpt.pt', weights_only=True)['iter_num'] == step
+    end = step + 5
+    resumed = run(*common, f'--max_iters={end}', '--init_from=resume', '--out_dir=sig', cwd=workdir)
+    straight = run(*common, f'--max_iters={end}', '--out_dir=sig-straight', cwd=workdir)
+    assert resumed.returncode == 0 and straight.returncode == 0, resumed.stderr + straight.stderr
+    a, b = train_losses(workdir / 'sig-straight'), train_losses(workdir / 'sig')
+    assert sorted(a) == sorted(b) == list(range(1, end + 1))
+    assert all(a[i] == pytest.approx(b[i], abs=1e-6) for i in a)
+    assert resumed.stdout.splitlines()[-2] == straight.stdout.splitlines()[-2]  # the final eval line
+
+
+def child_with_rank(pid, rank):
+    """The torchrun worker process of the given rank, a child of pid (Linux /proc)."""
+    for child in open(f'/proc/{pid}/task/{pid}/children').read().split():
+        if f'RANK={rank}'.encode() in open(f'/proc/{child}/environ', 'rb').read().split(b'\0'):
+            return int(child)
+    raise AssertionError(f"no rank {rank} worker under {pid}")
+
+
+@pytest.mark.skipif(not os.path.exists('/proc/self/task'), reason="finds the torchrun workers through /proc")
+def test_torchrun_with_default_accumulation_runs_and_every_rank_stops_at_the_same_step(workdir):
+    common = [TINY, '--lr_decay_iters=40', '--eval_interval=1000', '--log_interval=1', '--device=cpu']  # gloo
+    # a SIGTERM to rank 1 alone: rank 0 learns it in the step's all-reduce, saves, and both exit cleanly
+    rc, output, step = start_and_stop(
+        [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
+         os.path.join(REPO, 'train.py'), *common, '--max_iters=100000', '--out_dir=ddp-default'],
+        workdir, after_line='iter 3:', target=lambda pid: child_with_rank(pid, 1))
+    assert rc == 0 and step is not None, output
+    assert 'global batch 16 sequences = 8 x 1 micro-steps x 2 processes' in output
+    # the same global batch as one process accumulating over 2 micro-steps
+    single = run('train.py', *common, '--gradient_accumulation_steps=2', f'--max_iters={step}',
+                 '--out_dir=ddp-single', cwd=workdir)
+    assert single.returncode == 0 and 'global batch 16 sequences = 8 x 2 micro-steps' in single.stdout
+    a, b = (torch.load(workdir / d / 'ckpt.pt', weights_only=True) for d in ('ddp-default', 'ddp-single'))
+    assert a['iter_num'] == b['iter_num'] == step
+    for name, weight in a['model'].items():
+        torch.testing.assert_close(weight, b['model'][name], rtol=1e-4, atol=1e-5)
+
+
+def test_under_torchrun_a_bad_checkpoint_is_said_once(workdir):
+    (workdir / 'bad.pt').write_bytes(b'garbage')
+    result = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
+                             os.path.join(REPO, 'train.py'), TINY, '--init_from=bad.pt', '--out_dir=ddp-bad',
+                             '--device=cpu'],
+                            cwd=workdir, env=OFFLINE_ENV, capture_output=True, text=True, timeout=300)
+    errors = [line for line in (result.stdout + result.stderr).splitlines() if line.startswith('error: ')]
+    assert result.returncode != 0  # every rank stops; rank 0 alone says why
+    assert errors == ["error: bad.pt is not a torch checkpoint file; give a ckpt.pt written by train.py"]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() != 1, reason="needs exactly one CUDA GPU")
+def test_torchrun_with_more_processes_than_gpus_is_one_line():
+    result = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
+                             os.path.join(REPO, 'train.py'), TINY, '--device=cuda', '--out_dir=ddp-gpus'],
+                            env=OFFLINE_ENV, capture_output=True, text=True, timeout=300)
+    errors = [line for line in (result.stdout + result.stderr).splitlines() if line.startswith('error: ')]
+    assert result.returncode != 0  # every rank stops; rank 0 alone says why
+    assert errors == ["error: torchrun started more processes on this node than the 1 visible GPU(s): "
+                      "use --nproc_per_node=1, or --device=cpu (gloo)"]
+
+
+def test_a_run_killed_while_saving_leaves_a_loadable_checkpoint(workdir):
+    import signal
+    import time
+    out = workdir / 'killed'
+    for delay in (0.05, 0.3, 0.7):
+        proc = subprocess.Popen([sys.executable, os.path.join(REPO, 'train.py'), os.path.join(REPO, 'config', 'tiny.py'),
+                                 '--max_iters=100000', '--eval_interval=1', '--eval_iters=1', '--always_save_checkpoint=True',
+                                 f'--out_dir={out}', '--overwrite=True'],
+                                cwd=workdir, env=OFFLINE_ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.time() + 60
+        while not (out / 'ckpt.pt').exists() and time.time() < deadline:
+            time.sleep(0.05)
+        time.sleep(delay)  # the run saves every step: this lands in or near a save
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        ckpt = torch.load(out / 'ckpt.pt', weights_only=True)
+        assert ckpt['iter_num'] >= 1 and 'model' in ckpt
+        (out / 'ckpt.pt').unlink()
+
+
+# -----------------------------------------------------------------------------
+# faults at the file system's edges: damaged data folders, a full disk, an out_dir that cannot be one
+
+def test_a_damaged_data_folder_is_one_line_naming_the_file_and_the_command_that_rebuilds_it(workdir, tmp_path):
+    import pickle
+    good = workdir / 'data' / 'shakespeare_char'
+    cases = {  # folder name -> (how to damage a copy of the built-in data, what the line must say)
+        'truncated': (lambda d: os.truncate(d / 'train.bin', os.path.getsize(d / 'train.bin') - 1),
+                      'train.bin is 8619291 bytes, not a whole number of uint16 tokens'),
+        'no_meta': (lambda d: os.remove(d / 'meta.pkl'), 'meta.pkl is missing'),
+        'no_val': (lambda d: os.remove(d / 'val.bin'), 'val.bin is missing'),
+        'garbage_meta': (lambda d: (d / 'meta.pkl').write_bytes(os.urandom(64)), 'meta.pkl cannot be read'),
+        'foreign_meta': (lambda d: (d / 'meta.pkl').write_bytes(pickle.dumps({'vocab_size': 65})),  # nanoGPT's
+                         'meta.pkl is not a meta.pkl written by prepare.py'),
+        'short': (lambda d: os.truncate(d / 'val.bin', 40), 'val.bin has 20 tokens, too few for block_size=32'),
+    }
+    for name, (damage, message) in cases.items():
+        folder = tmp_path / 'data' / name
+        shutil.copytree(good, folder)
+        damage(folder)
+        line = one_error_line(run('train.py', TINY, f'--dataset={name}', '--out_dir=out', cwd=tmp_path))
+        assert f"data/{name}/" in line and message in line, line
+        if name != 'short':
+            assert f"`python prepare.py --text=FILE --out_dir=data/{name}`" in line, line
+        assert not (tmp_path / 'out').exists()  # nothing written
+    shutil.copytree(good, tmp_path / 'data' / 'shakespeare_char')  # the built-in data: its own command
+    os.remove(tmp_path / 'data' / 'shakespeare_char' / 'val.bin')
+    line = one_error_line(run('train.py', TINY, '--out_dir=out', cwd=tmp_path))
+    assert line.endswith("val.bin is missing; rebuild it with `python prepare.py`"), line
+
+
+# Runs a script with the file system refusing writes to files whose name ends with TARGET after LIMIT bytes
+# (the first `SKIP` such files are written in full): as a disk that fills up, or a quota that runs out.
+FULL_DISK = """
+import builtins, errno, os, runpy, sys
+real_open, opened = builtins.open, []
+
+class Full:
+    def __init__(self, f):
+        self.f, self.written = f, 0
+    def write(self, data):
+        if self.written + len(data) > LIMIT:
+            self.f.write(data[:max(0, LIMIT - self.written)])
+            self.f.flush()
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        self.written += len(data)
+        return self.f.write(data)
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+    def __enter__(self):
+        return self
+    def __exit__(self, *exc):
+        return self.f.__exit__(*exc)
+
+def full_disk_open(file, mode='r', *args, **kwargs):
+    f = real_open(file, mode, *args, **kwargs)
+    if str(file).endswith(TARGET) and ('w' in mode or 'a' in mode):
+        opened.append(file)
+        return f if len(opened) <= SKIP else Full(f)
+    return f
+
+builtins.open = full_disk_open
+script, sys.argv = sys.argv[1], sys.argv[1:]
+sys.path.insert(0, os.path.dirname(script))  # as `python script` would
+runpy.run_path(script, run_name='__main__')
+"""
+
+
+def run_on_a_full_disk(script, *args, cwd, target, limit=1000, skip=0):
+    driver = FULL_DISK.replace('TARGET', repr(target)).replace('LIMIT', str(limit)).replace('SKIP', str(skip))
+    return subprocess.run([sys.executable, '-c', driver, os.path.join(REPO, script), *args], cwd=cwd, env=OFFLINE_ENV,
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("target", ['ckpt.pt.tmp', 'log.jsonl'])
+def test_a_full_disk_stops_the_run_with_one_line_and_keeps_the_last_good_checkpoint(workdir, tmp_path, target):
+    out = tmp_path / 'full'
+    shutil.copytree(workdir / 'run', out)  # a checkpoint at step 10
+    before = (out / 'ckpt.pt').read_bytes()
+    common = [TINY, '--init_from=resume', '--max_iters=30', '--eval_interval=5', '--always_save_checkpoint=True',
+              f'--out_dir={out}']
+    line = one_error_line(run_on_a_full_disk('train.py', *common, cwd=workdir, target=target))
+    assert f"could not write {out}/{'ckpt.pt' if target.startswith('ckpt') else 'log.jsonl'} " \
+           f"(No space left on device)" in line, line
+    assert f"{out}/ckpt.pt is left as it was (step 10)" in line and '--init_from=resume' in line, line
+    assert (out / 'ckpt.pt').read_bytes() == before and not (out / 'ckpt.pt.tmp').exists()
+    assert all(json.loads(record) for record in open(out / 'log.jsonl'))  # no half-written line
+    resumed = run('train.py', *common, cwd=workdir)  # space again: it continues from step 10
+    assert resumed.returncode == 0, resumed.stderr
+    assert torch.load(out / 'ckpt.pt', weights_only=True)['iter_num'] == 30
+
+
+def test_prepare_on_a_full_disk_leaves_no_half_written_file(tmp_path):
+    line = one_error_line(run_on_a_full_disk('prepare.py', cwd=tmp_path, target='.bin.tmp', limit=10_000))
+    assert line == ("error: could not write data/shakespeare_char/ (No space left on device); free some space, "
+                    "or give another --out_dir, and run prepare.py again")
+    assert os.listdir(tmp_path / 'data' / 'shakespeare_char') == []
+
+
+def test_an_out_dir_that_cannot_be_one_is_said_before_anything_runs(workdir, tmp_path):
+    (tmp_path / 'afile').write_text('not a folder')
+    for out_dir, message in ((tmp_path / 'afile', 'exists and is not a folder'),
+                             (tmp_path / 'afile' / 'run', f'cannot be created ({tmp_path}/afile is not a folder)')):
+        line = one_error_line(run('train.py', TINY, f'--out_dir={out_dir}', cwd=workdir))
+        assert line == f"error: --out_dir={out_dir} {message}; give another --out_dir"
