@@ -233,6 +233,8 @@ def seqtopk_select(router, scores, cache, causal):
     if cache is None and not causal:
         return seqtopk_mask(scores, *bounds)
     past, spent, n_past = (None, None, None) if cache is None else (cache.candidates, cache.spent, cache.count)
+    if past is not None and not torch.compiler.is_compiling():  # eagerly only the tokens cached so far (the
+        past = past[:, :cache.cache.length - scores.shape[1]]  # host's count); compiled, the static buffer
     if causal:
         mask, candidates, spent = online_seqtopk_mask(scores, *bounds, past, spent, strict=cfg.seq_budget == 'strict',
                                                       n_past=n_past)
