@@ -1,6 +1,6 @@
 # Pretraining at higher sparsity, with dense baselines: the paper's Table 3 routers (topk, seqtopk, relu
-# as ReMoE) and batchtopk, with the default gates and with the paper's (topk+route_scale=1), on 2 CPU cores,
-# 3 seeds (measured wall time: results/README.md).
+# as ReMoE) and batchtopk, with the default gates and with the paper's (topk+route_scale=1), 3 seeds:
+# about 2 hours on 2 CPU cores (measured: results/README.md).
 # python sweep.py config/sweep_cpu.py
 # 64 experts of width 16 on the default 4-layer, 128-wide model: K = 8, 4, 2 is sparsity 1/8 .. 1/32.
 # Dense rows: FFN width K*16 (the MoE's active parameters at each K) and 64*16 = 1024 (its total).
