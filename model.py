@@ -96,8 +96,6 @@ class CausalSelfAttention(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0, is_causal=True)
         else:  # the KV cache: each query attends to every position up to its own (the unused rest is masked)
             k, v = cache.write_kv(k, v, pos)
-            if not torch.compiler.is_compiling():  # eagerly only the positions written so far; a compiled step
-                k, v = k[:, :, :cache.cache.length], v[:, :, :cache.cache.length]  # keeps the buffer's static shape
             allowed = torch.arange(k.shape[2], device=x.device) <= pos[:, None]
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
         y = y.transpose(1, 2).contiguous().view(B, T, C)

@@ -232,9 +232,8 @@ def seqtopk_select(router, scores, cache, causal):
     bounds = (cfg.top_k, cfg.seq_min_k, cfg.seq_max_k or None)
     if cache is None and not causal:
         return seqtopk_mask(scores, *bounds)
-    past, spent, n_past = (None, None, None) if cache is None else (cache.candidates, cache.spent, cache.count)
-    if past is not None and not torch.compiler.is_compiling():  # eagerly only the tokens cached so far (the
-        past = past[:, :cache.cache.length - scores.shape[1]]  # host's count); compiled, the static buffer
+    past, spent, n_past = (None, None, None) if cache is None else (cache.past_scores(scores.shape[1]), cache.spent,
+                                                                    cache.count)
     if causal:
         mask, candidates, spent = online_seqtopk_mask(scores, *bounds, past, spent, strict=cfg.seq_budget == 'strict',
                                                       n_past=n_past)

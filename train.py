@@ -126,8 +126,9 @@ def model_config(model_args):
 model_args = {k: config[k] for k in ckpt_io.MODEL_KEYS if k in config}
 if init_from == 'scratch':  # resuming or fine-tuning: checked once merged with the checkpoint's settings
     model_config(model_args)
-if ckpt_io.out_dir_problem(out_dir):
-    fail(f"--out_dir={out_dir} {ckpt_io.out_dir_problem(out_dir)}; give another --out_dir")
+out_dir_problem = ckpt_io.out_dir_problem(out_dir)
+if out_dir_problem:
+    fail(f"--out_dir={out_dir} {out_dir_problem}; give another --out_dir")
 try:
     device = pick_device(device)
 except ValueError as e:
