@@ -80,8 +80,7 @@ def test_a_bf16_decoding_step_casts_only_the_experts_it_uses_and_matches_fp32():
             with profile(record_shapes=True) as prof:
                 logits[dtype] = model(prompt[:, -1:], cache=cache)[0].float()
     casts = [e.input_shapes[0] for e in prof.events() if e.name == 'aten::_to_copy']
-    # each of the token's top-2 experts' two matrices, one by one, in every layer; never all 8 experts
-    assert [8, 32, 32] not in casts and casts.count([32, 32]) >= 2 * 2 * model.config.n_layer
+    assert [2, 32, 32] in casts and [8, 32, 32] not in casts  # the token's top-2 experts, not all 8
     want = logits[torch.float32]
     torch.testing.assert_close(logits[torch.bfloat16], want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
 
