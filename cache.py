@@ -73,17 +73,17 @@ class LayerCache:
             self.k, self.v = (static(t.new_zeros(*t.shape[:2], self.block_size, t.shape[3])) for t in (k, v))
         self.k.index_copy_(2, pos, k)
         self.v.index_copy_(2, pos, v)
-        return self.written(self.k, 2, self.cache.length), self.written(self.v, 2, self.cache.length)
+        return self.written(self.k, 2), self.written(self.v, 2)
 
     def past_scores(self, T):
         """The Expert Cache before this call's T tokens (None before its first write)."""
-        return None if self.candidates is None else self.written(self.candidates, 1, self.cache.length - T)
+        return None if self.candidates is None else self.written(self.candidates, 1, unwritten=T)
 
-    @staticmethod
-    def written(buffer, dim, n):
-        # eagerly only the first n positions (those written so far, by the host's count); a compiled step
-        # reads the whole static buffer, whose unused rest its reader masks (attention) or never counts (-inf)
-        return buffer if torch.compiler.is_compiling() else buffer.narrow(dim, 0, n)
+    def written(self, buffer, dim, unwritten=0):
+        # eagerly only the positions written so far (the host's count, less those not yet written); a compiled
+        # step reads the whole static buffer, whose unused rest its reader masks (attention) or never counts
+        # (-inf), and never reads the host's count, which would make the graph depend on it (a recompile)
+        return buffer if torch.compiler.is_compiling() else buffer.narrow(dim, 0, self.cache.length - unwritten)
 
     def write_scores(self, candidates, spent):
         """The Expert Cache: the new tokens' candidate scores after the earlier ones', and the experts spent."""

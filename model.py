@@ -78,6 +78,17 @@ ROUTING_KEYS = {'router', 'top_k', 'seq_min_k', 'seq_max_k', 'norm_topk_prob', '
                 'moe_impl', 'dropout', 'seq_causal', 'seq_budget'}
 
 
+# inductor's settings for the compiled CPU decoding step, where every matmul has one row (one token):
+CPU_DECODE_OPTIONS = {
+    'cpp_wrapper': True,  # the step's kernel calls in C++, not Python: no interpreter between them
+    # the one-row matmuls of the linear layers as inductor's own fused reductions rather than BLAS calls
+    'post_grad_fusion_options': {'decompose_mm_pass': {}},
+    # store an expert's activations (gelu x gate) once: left inlined, the second expert matmul recomputes
+    # them for every 8 output columns it reads them from
+    'realize_opcount_threshold': 4,
+}
+
+
 class CausalSelfAttention(nn.Module):
 
     def __init__(self, config):
@@ -268,9 +279,8 @@ class GPT(nn.Module):
             return self.decode_step
         if self.compiled_step is None:
             cuda = next(self.parameters()).is_cuda
-            # CPU: the step's wrapper in C++ (cpp_wrapper), not Python, so each step's kernel calls skip the interpreter
             self.compiled_step = torch.compile(self.decode_step, fullgraph=True, mode='reduce-overhead' if cuda else None,
-                                               options=None if cuda else {'cpp_wrapper': True})
+                                               options=None if cuda else CPU_DECODE_OPTIONS)
 
         def step(idx, cache):
             cache.reserve(idx.shape[1])

@@ -128,6 +128,15 @@ def test_a_decoding_step_compiles_to_one_graph_with_no_break(router):
     assert explanation.graph_break_count == 0 and explanation.graph_count == 1, explanation.break_reasons
 
 
+@pytest.mark.parametrize("router", ["topk", "seqtopk"])
+def test_a_compiled_decoding_step_compiles_once_for_the_whole_generation(router):
+    torch._dynamo.reset()
+    model = trained_tiny(router)
+    prompt = torch.randint(0, 16, (2, 5), generator=torch.Generator().manual_seed(1))
+    with torch._dynamo.config.patch(error_on_recompile=True):  # the step's graph must not depend on the context
+        model.generate(prompt, 34, temperature=0, compile=True)  # past block_size=32: the cache starts again
+
+
 @needs_cuda
 @pytest.mark.parametrize("router", ["topk", "seqtopk"])
 def test_cuda_a_compiled_decoding_step_never_waits_on_the_host(router):
