@@ -123,6 +123,9 @@ def slot_dispatch(x, mask, weights, w_fc, w_proj, slots):
     expert matrices gathered and one batched matmul."""
     M, C = x.shape
     taken, expert = mask.to(x.dtype).topk(slots, dim=-1)  # the experts it takes come first
+    if x.device.type == 'cpu':  # dealt out to the CPU threads (see dealt)
+        order = dealt(slots, cpu_threads())
+        taken, expert = taken[:, order], expert[:, order]
     expert = torch.where(taken > 0, expert, expert[:, :1])
     gate = weights.gather(-1, expert) * taken
     tokens = x.repeat_interleave(slots, dim=0).unsqueeze(1)  # (M * slots, 1, C)
@@ -130,6 +133,22 @@ def slot_dispatch(x, mask, weights, w_fc, w_proj, slots):
     h = F.gelu(torch.bmm(tokens, w_fc.index_select(0, expert).to(x.dtype)))
     y = torch.bmm(h * gate.reshape(-1, 1, 1), w_proj.index_select(0, expert).to(x.dtype))
     return y.view(M, slots, C).sum(dim=1)
+
+
+def dealt(slots, threads):
+    """An order of the slots for a compiled CPU step, whose loop over them the threads split into contiguous
+    chunks: the ranks dealt round-robin to the chunks, so that each thread gets its share of the experts a
+    token takes (the first ranks) and of the idle slots, not one thread all the taken and another the idle.
+    The step waits for its slowest thread: seqtopk's 6 slots on 2 threads would otherwise run 3 taken experts
+    on one thread where topk's 4 run 2 on each."""
+    chunk = -(-slots // threads)
+    chunks = -(-slots // chunk)
+    return [rank for first in range(chunks) for rank in range(first, slots, chunks)]
+
+
+@torch.compiler.assume_constant_result  # read when the step compiles: a constant of its graph
+def cpu_threads():
+    return torch.get_num_threads()
 
 
 def expert_mm(x, w, offs, kernel, inference):

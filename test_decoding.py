@@ -8,6 +8,7 @@ import torch
 
 from conftest import counting_batches, needs_cuda, trained_tiny
 from cache import Cache
+from experts import dealt
 from router import ROUTERS
 
 
@@ -126,6 +127,16 @@ def test_a_decoding_step_compiles_to_one_graph_with_no_break(router):
         cache.reserve(1)  # the host's part, which generate does around the compiled step
         explanation = torch._dynamo.explain(model.decode_step)(prompt[:, -1:].contiguous(), cache)
     assert explanation.graph_break_count == 0 and explanation.graph_count == 1, explanation.break_reasons
+
+
+@pytest.mark.parametrize("slots,threads", [(6, 2), (6, 4), (5, 2), (4, 2), (6, 1), (6, 8)])
+def test_the_slots_deal_the_taken_experts_evenly_to_the_threads(slots, threads):
+    order = dealt(slots, threads)
+    assert sorted(order) == list(range(slots)) and order[0] == 0  # a permutation; the best expert stays first
+    chunk = -(-slots // threads)  # a parallel loop's contiguous chunk per thread
+    for n_taken in range(1, slots + 1):  # a token takes the ranks below n_taken
+        per_thread = [sum(rank < n_taken for rank in order[i:i + chunk]) for i in range(0, slots, chunk)]
+        assert max(per_thread) - min(per_thread) <= 1
 
 
 @pytest.mark.parametrize("router", ["topk", "seqtopk"])
