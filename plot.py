@@ -170,6 +170,7 @@ def plot_decoding(bench, out):
         ax.bar([j + (i - (len(bars) - 1) / 2) * 0.8 / len(bars) for j in range(len(routers))], speeds,
                width=0.8 / len(bars), label=label)
     ax.set_xticks(range(len(routers)), routers)
+    ax.margins(y=0.3)  # headroom above the bars for the legend
     return save(fig, ax, out, 'decoding.png')
 
 
