@@ -79,7 +79,7 @@ def grouped_mm_backward(ctx, grad):
 grouped_mm.register_autograd(grouped_mm_backward, setup_context=grouped_mm_setup)
 
 
-def dispatch(x, mask, weights, w_fc, w_proj, n_pairs=None, kernel=True, slots=None):
+def dispatch(x, mask, weights, w_fc, w_proj, n_pairs=None, kernel=True, slots=None, budget=None):
     """The one path from any routing mask to expert outputs.
 
     x: (M, C) tokens; mask, weights: (M, N), any number of experts per token; w_fc: (N, C, H),
@@ -92,10 +92,12 @@ def dispatch(x, mask, weights, w_fc, w_proj, n_pairs=None, kernel=True, slots=No
     decoding, one batched matmul over the pairs' gathered expert matrices), else one matmul per expert.
     slots: in a decoding step, the most experts a token takes (the router's bound): each token then
     runs exactly `slots` pairs, those it does not take with a zero gate, so the step's shapes are static.
+    budget: with slots, the experts a token takes on average (the router's top_k): on the CPU the slots
+    past it run only in a step where a token takes one of them.
     """
     M, N = mask.shape
     if slots is not None:
-        return slot_dispatch(x, mask, weights, w_fc, w_proj, slots)
+        return slot_dispatch(x, mask, weights, w_fc, w_proj, slots, budget)
     selected = mask.t().reshape(-1)  # expert-major: expert 0's tokens first, then expert 1's, ...
     if n_pairs is None:  # a size known only on the host: that sync is unavoidable, and nonzero is it in one op
         pair = selected.nonzero().squeeze(1)
@@ -117,17 +119,31 @@ def dispatch(x, mask, weights, w_fc, w_proj, n_pairs=None, kernel=True, slots=No
     return torch.zeros_like(x).index_add_(0, token_idx, y)
 
 
-def slot_dispatch(x, mask, weights, w_fc, w_proj, slots):
+def slot_dispatch(x, mask, weights, w_fc, w_proj, slots, budget=None):
     """A decoding step's experts with static shapes: each token's `slots` slots hold the experts it takes,
-    then its first expert again with a zero gate (so no other expert's weights are read); each slot's
-    expert matrices gathered and one batched matmul."""
-    M, C = x.shape
+    then its first expert again with a zero gate (so no other expert's weights are read). On the CPU, where
+    a step's time is mostly its slots' matmuls, the slots past `budget` run under torch.cond, only when a
+    token takes one of them (on the bench model, online seqtopk's token takes more than top_k experts in a
+    third of a layer's steps): a branch on the host, with no shape depending on the data. On a GPU all slots run, as one CUDA
+    graph replays them, and a branch would wait on the device."""
     taken, expert = mask.to(x.dtype).topk(slots, dim=-1)  # the experts it takes come first
-    if x.device.type == 'cpu':  # dealt out to the CPU threads (see dealt)
-        order = dealt(slots, cpu_threads())
-        taken, expert = taken[:, order], expert[:, order]
     expert = torch.where(taken > 0, expert, expert[:, :1])
     gate = weights.gather(-1, expert) * taken
+    if x.device.type != 'cpu':
+        return slot_experts(x, expert, gate, w_fc, w_proj)
+    usual = min(budget or slots, slots)
+    order = dealt(usual, cpu_threads())  # see dealt
+    y = slot_experts(x, expert[:, order], gate[:, order], w_fc, w_proj)
+    if usual == slots:
+        return y
+    rest = (x, expert[:, usual:], gate[:, usual:], w_fc, w_proj)
+    return y + torch.cond(taken[:, usual:].any(), slot_experts, no_experts, rest)
+
+
+def slot_experts(x, expert, gate, w_fc, w_proj):
+    """sum over slots s of gate[:, s] * expert[:, s](x): each slot's expert matrices gathered, one batched matmul."""
+    M, C = x.shape
+    slots = expert.shape[1]
     tokens = x.repeat_interleave(slots, dim=0).unsqueeze(1)  # (M * slots, 1, C)
     expert = expert.flatten()
     h = F.gelu(torch.bmm(tokens, w_fc.index_select(0, expert).to(x.dtype)))
@@ -135,12 +151,16 @@ def slot_dispatch(x, mask, weights, w_fc, w_proj, slots):
     return y.view(M, slots, C).sum(dim=1)
 
 
+def no_experts(x, expert, gate, w_fc, w_proj):
+    return torch.zeros_like(x)
+
+
 def dealt(slots, threads):
     """An order of the slots for a compiled CPU step, whose loop over them the threads split into contiguous
     chunks: the ranks dealt round-robin to the chunks, so that each thread gets its share of the experts a
     token takes (the first ranks) and of the idle slots, not one thread all the taken and another the idle.
-    The step waits for its slowest thread: seqtopk's 6 slots on 2 threads would otherwise run 3 taken experts
-    on one thread where topk's 4 run 2 on each."""
+    The step waits for its slowest thread: of 4 slots on 2 threads, a token's 2 taken experts would otherwise
+    both run on one."""
     chunk = -(-slots // threads)
     chunks = -(-slots // chunk)
     return [rank for first in range(chunks) for rank in range(first, slots, chunks)]

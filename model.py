@@ -150,7 +150,7 @@ class MoE(nn.Module):
         decoding = T == 1 and kernel and not torch.is_grad_enabled() and (x.is_cuda or torch.compiler.is_compiling())
         y = dispatch(x.reshape(-1, C).to(dtype), mask.view(-1, N), weights.view(-1, N).to(dtype),
                      self.w_fc, self.w_proj, self.router.fixed_pairs(B * T, causal), kernel=kernel,
-                     slots=self.router.slots() if decoding else None)
+                     slots=self.router.slots() if decoding else None, budget=self.router.budget())
         return self.dropout(y.view(B, T, C)), aux_loss, (mask, scores)
 
 
