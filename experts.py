@@ -124,8 +124,8 @@ def slot_dispatch(x, mask, weights, w_fc, w_proj, slots, budget=None):
     then its first expert again with a zero gate (so no other expert's weights are read). On the CPU, where
     a step's time is mostly its slots' matmuls, the slots past `budget` run under torch.cond, only when a
     token takes one of them (on the bench model, online seqtopk's token takes more than top_k experts in a
-    third of a layer's steps): a branch on the host, with no shape depending on the data. On a GPU all slots run, as one CUDA
-    graph replays them, and a branch would wait on the device."""
+    third of a layer's steps): a branch on the host, with no shape depending on the data. On a GPU all
+    slots run, as one CUDA graph replays them, and a branch would wait on the device."""
     taken, expert = mask.to(x.dtype).topk(slots, dim=-1)  # the experts it takes come first
     expert = torch.where(taken > 0, expert, expert[:, :1])
     gate = weights.gather(-1, expert) * taken
