@@ -278,9 +278,14 @@ def decode_in_turns(ways, prompt, steps, recompute_every=1, block=16, recompute=
     return cached, recomputed, caches, idx
 
 
+CAPPED = 'compiled, experts capped at top_k'  # see bench_decode
+
+
 def bench_decode(results):
     """Long-context generation: the KV + Expert Cache against recomputing the context every step, seqtopk
     against topk, the decoding step eager and compiled, all taking turns; then one step at a given context.
+    Compiled, seqtopk also runs with its experts capped at topk's top_k slots: a timing of what its routing
+    and Expert Cache add to the step, apart from the experts a token takes beyond top_k (its text differs).
     Each figure is the total over all rounds' steps; the per-round spread of each ratio shows the noise."""
     shape = dict(LARGER, block_size=decode_block_size)
     gen = torch.Generator().manual_seed(seed)
@@ -289,16 +294,21 @@ def bench_decode(results):
     way_names = decode_ways.split(',')
     ways = {(router, way): (model, model.stepper(compile=way == 'compiled'))
             for router, model in models.items() for way in way_names}
+    if 'compiled' in way_names:  # seqtopk's routing and Expert Cache with topk's expert work: top_k slots a token
+        capped = build('seqtopk', shape).eval()
+        for moe in (m for m in capped.modules() if isinstance(m, MoE)):
+            moe.router.slots = moe.router.budget
+        ways[('seqtopk', CAPPED)] = (capped, capped.stepper(compile=True))
     # decode_in_turns takes generate's steps: the same tokens as generate(temperature=0), checked here; the
     # first compiled generation compiles the step, timed apart
     compile_s = {}
     for (router, way), (model, _) in ways.items():
         t0 = time.perf_counter()
         with autocast():
-            generated = model.generate(prompt, 16, temperature=0, compile=way == 'compiled')
+            generated = model.generate(prompt, 16, temperature=0, compile=way != 'eager')
         sync()
-        if way == 'compiled':
-            compile_s[router] = time.perf_counter() - t0
+        if way != 'eager':
+            compile_s[(router, way)] = time.perf_counter() - t0
         if not torch.equal(decode_in_turns({(router, way): ways[(router, way)]}, prompt, 16)[3][(router, way)],
                            generated):
             raise SystemExit(f"error: bench's decoding loop and generate() disagree for {router}, {way}")
@@ -311,8 +321,8 @@ def bench_decode(results):
 
     print(f"\n### Decoding: {new_tokens} new tokens after a {prompt_tokens}-token prompt, larger model with a "
           f"{decode_block_size}-token context (greedy, batch 1; the ways taken in turns" +
-          (f"; compiled: the decoding step compiled once, in {compile_s['topk']:.0f} s for topk and "
-           f"{compile_s['seqtopk']:.0f} s for seqtopk" if compile_s else '') + ")\n")
+          (f"; compiled: the decoding step compiled once, in {compile_s[('topk', 'compiled')]:.0f} s for topk and "
+           f"{compile_s[('seqtopk', 'compiled')]:.0f} s for seqtopk" if compile_s else '') + ")\n")
     print("| router | decoding step | KV + Expert Cache tok/s | full recompute tok/s (eager) | speed-up |")
     print("| --- | --- | --- | --- | --- |")
     recompute = {(router, way_names[0]) for router in models}  # the model's own forward, which is eager
@@ -323,14 +333,15 @@ def bench_decode(results):
         recomputed = sum(sum(r[(router, way_names[0])]) for _, r, *_ in runs) / len(runs)
         results['decode'].append(dict(router=router, way=way, new_tokens=new_tokens, block_size=decode_block_size,
                                       cached_tok_s=new_tokens / cached, recompute_tok_s=new_tokens / recomputed,
-                                      compile_s=compile_s[router] if way == 'compiled' else None))
+                                      compile_s=compile_s.get((router, way))))
         print(f"| {router} | {way} | {new_tokens / cached:.1f} | {new_tokens / recomputed:.1f} "
               f"| {recomputed / cached:.1f}x |")
     print()
     for name, base, label in ((('seqtopk', 'eager'), ('topk', 'eager'), 'seqtopk / topk, eager'),
                               (('seqtopk', 'compiled'), ('topk', 'compiled'), 'seqtopk / topk, compiled'),
                               (('topk', 'compiled'), ('topk', 'eager'), 'compiled / eager, topk'),
-                              (('seqtopk', 'compiled'), ('seqtopk', 'eager'), 'compiled / eager, seqtopk')):
+                              (('seqtopk', 'compiled'), ('seqtopk', 'eager'), 'compiled / eager, seqtopk'),
+                              (('seqtopk', CAPPED), ('topk', 'compiled'), f'seqtopk {CAPPED} / topk, compiled')):
         if name not in ways or base not in ways:
             continue
         ratio, spread = speed_ratio(runs, name, base)
@@ -341,6 +352,7 @@ def bench_decode(results):
     print("| context | decoding step | topk cached ms | seqtopk cached ms | seqtopk / topk speed (rounds) "
           "| topk recompute ms | seqtopk recompute ms | cache speed-up (topk, seqtopk) | KV cache | Expert Cache |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    ways = {name: ways[name] for name in ways if name[1] in way_names}
     for context in (int(c) for c in contexts.split(',')):
         prompt = torch.randint(0, shape['vocab_size'], (1, context), generator=gen).to(device)
         runs = [decode_in_turns(ways, prompt, steps_at_context + 1, recompute_every=8, recompute=recompute)

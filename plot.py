@@ -161,9 +161,10 @@ def plot_decoding(bench, out):
     fig, ax = figure(f"Decoding {bench['decode'][0]['new_tokens']} tokens, {bench['device']}, {bench['dtype']}",
                      'router', 'tokens / s')
     routers = list(dict.fromkeys(r['router'] for r in bench['decode']))
+    ways = [way for way in dict.fromkeys(r['way'] for r in bench['decode'])  # those every router ran
+            if all(any(r['router'] == router and r['way'] == way for r in bench['decode']) for router in routers)]
     bars = [('full recompute', lambda r: r['recompute_tok_s'], 'eager')] + [
-        (f'KV + Expert Cache, {way}', lambda r: r['cached_tok_s'], way)
-        for way in dict.fromkeys(r['way'] for r in bench['decode'])]
+        (f'KV + Expert Cache, {way}', lambda r: r['cached_tok_s'], way) for way in ways]
     for i, (label, value, way) in enumerate(bars):
         speeds = [next(value(r) for r in bench['decode'] if r['router'] == router and r['way'] == way)
                   for router in routers]
@@ -193,7 +194,9 @@ def main(argv=None):
     if args.bench:
         if not os.path.exists(args.bench):
             raise SystemExit(f"error: no {args.bench}; run `python bench.py --json_out={args.bench}` first")
-        print(f"wrote {plot_decoding(json.load(open(args.bench)), args.out or os.path.dirname(args.bench) or '.')}")
+        out = args.out or os.path.dirname(args.bench) or '.'
+        os.makedirs(out, exist_ok=True)
+        print(f"wrote {plot_decoding(json.load(open(args.bench)), out)}")
         return
     if args.sweep:
         if not os.path.exists(args.sweep):

@@ -178,8 +178,9 @@ def test_the_decoding_figure_is_drawn_from_a_bench_json(tmp_path):
     import plot
     decode = [dict(router=r, way=w, new_tokens=512, cached_tok_s=s, recompute_tok_s=12.0)
               for r, w, s in (('topk', 'eager', 90.0), ('topk', 'compiled', 150.0), ('seqtopk', 'eager', 80.0),
-                              ('seqtopk', 'compiled', 130.0))]
+                              ('seqtopk', 'compiled', 130.0),
+                              ('seqtopk', 'compiled, experts capped at top_k', 140.0))]  # a row topk has not: no bar
     (tmp_path / 'bench.json').write_text(json.dumps(dict(device='CPU', dtype='float32', decode=decode)))
-    plot.main([f"--bench={tmp_path / 'bench.json'}"])
-    png = tmp_path / 'decoding.png'
+    plot.main([f"--bench={tmp_path / 'bench.json'}", f"--out={tmp_path / 'figures'}"])  # a folder not there yet
+    png = tmp_path / 'figures' / 'decoding.png'
     assert png.exists() and png.read_bytes()[:8] == b'\x89PNG\r\n\x1a\n' and png.stat().st_size > 10000
