@@ -133,6 +133,17 @@ def load(path, keys=('model', 'model_args', 'meta')):
     return ckpt
 
 
+def merged_args(saved, model_args, overridden, changeable, path):
+    """The model settings of a run that continues from the checkpoint at path: the saved ones, except those
+    this run's command line gives (overridden), which must equal the saved ones unless they are changeable;
+    ValueError otherwise."""
+    for k, value in saved.items():
+        if k in overridden and k not in changeable and model_args.get(k) != value:
+            raise ValueError(f"{path} was trained with {k}={value!r}, this run asks for {k}={model_args[k]!r}; "
+                             f"drop --{k}, or train from scratch in another --out_dir")
+    return {**model_args, **{k: value for k, value in saved.items() if k not in overridden}}
+
+
 @said_once
 def load_weights(model, ckpt, path):
     """model.load_state_dict(ckpt['model']), or one line naming the keys that do not fit."""

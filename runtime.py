@@ -1,12 +1,14 @@
 """
-What the scripts set up in their process before a model runs: the device, its dtype and autocast, and
-a CPU allocator that keeps freed memory for reuse.
+What the scripts set up in their process before a model runs: the device, its dtype and autocast, the
+process group of a torchrun launch, and a CPU allocator that keeps freed memory for reuse.
 """
 import ctypes
 import ctypes.util
+import os
 import platform
 
 import torch
+import torch.distributed as dist
 
 
 def pick_device(device):
@@ -17,6 +19,25 @@ def pick_device(device):
         raise ValueError(f"--device={device} is not available on this machine (no {device.split(':')[0]} device "
                          f"is visible); use --device=cpu")
     return device
+
+
+def join_torchrun(device, accumulation):
+    """Under torchrun (RANK, WORLD_SIZE set): join the process group (NCCL on GPUs, gloo on the CPU) and
+    return this rank's device (cuda:LOCAL_RANK on GPUs) and its share of the global gradient accumulation
+    steps; ValueError for a launch these cannot be split over. Every rank checks, so that rank 0 says it."""
+    world_size = int(os.environ['WORLD_SIZE'])
+    if device.startswith('cuda'):
+        local_rank, gpus = int(os.environ['LOCAL_RANK']), torch.cuda.device_count()
+        if int(os.environ.get('LOCAL_WORLD_SIZE', local_rank + 1)) > gpus:
+            raise ValueError(f"torchrun started more processes on this node than the {gpus} visible GPU(s): "
+                             f"use --nproc_per_node={gpus}, or --device=cpu (gloo)")
+        device = f"cuda:{local_rank}"
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend='nccl' if device.startswith('cuda') else 'gloo')
+    if accumulation > world_size and accumulation % world_size:
+        raise ValueError(f"--gradient_accumulation_steps={accumulation} must be a multiple of the {world_size} "
+                         f"processes (each runs gradient_accumulation_steps / {world_size}), or at most {world_size}")
+    return device, max(1, accumulation // world_size)  # below one each, every rank runs one micro-step
 
 
 def autocast_for(device, dtype):

@@ -1,6 +1,6 @@
 """
 The statistics, in one place: the routing statistics the paper plots (Fig. 4, 5), counted over
-evaluation batches (train.py logs them, plot.py draws them), and the paired differences between runs
+evaluation batches (train.py logs and prints them, plot.py draws them), and the paired differences between runs
 trained with the same seeds, with their Student-t intervals (sweep.py's tables and figure).
 """
 import math
@@ -73,6 +73,31 @@ def summed_histogram(layers):
     """Tokens that took c experts (c = 0..N), summed over the MoE layers."""
     return [sum(column) for column in zip(*(layer['experts_hist'] for layer in layers))]
 
+
+def eval_line(step, losses, layers, experts_trained):
+    """train.py's line at an evaluation: the losses (for an online router, offline and causal), and per MoE
+    layer experts per token [fewest-most], then the layers' mean load cv and entropy."""
+    causal = losses.get('val_causal')
+    causal = (f" (offline {losses['val_offline']['ce']:.4f}, causal {causal['ce']:.4f}, worst causal prefix "
+              f"overspend {causal['prefix_overspend']:+d} experts)" if causal else '')
+    routing = (" | experts/token " + ' '.join(f"{l['experts_mean']:.2f}[{l['experts_min']}-{l['experts_max']}]"
+                                              for l in layers) +
+               f" | load cv {layer_mean(layers, 'load_cv'):.3f}, entropy {layer_mean(layers, 'entropy'):.3f}" +
+               (f" | {experts_trained:.2f} experts/token in training so far" if experts_trained else '')
+               if layers else '')
+    return (f"step {step}: train ce {losses['train']['ce']:.4f}, val ce {losses['val']['ce']:.4f}{causal}, "
+            f"val aux {losses['val']['aux']:.4f}{routing}")
+
+
+def done_line(summary):
+    """train.py's last line, from the run's summary (its last line of log.jsonl)."""
+    causal = (f", causal routing {summary['val_ce_causal']:.4f}" if summary['val_ce_causal'] is not None else '')
+    trained = f" (in training {summary['experts_trained']:.2f})" if summary['experts_trained'] else ''
+    routing = (f", experts/token {summary['experts_mean']:.2f}{trained}, load cv {summary['load_cv']:.3f}, "
+               f"entropy {summary['entropy']:.3f} (means over MoE layers)" if summary['moe_layers'] else
+               " (a dense GPT, no routing)")
+    return (f"done: {summary['iter']} iterations, {summary['time']:.0f}s; final val ce {summary['val_ce']:.4f}"
+            f"{causal}{routing}")
 
 # -----------------------------------------------------------------------------
 # paired statistics: runs trained with the same seed share the initialisation and the batches

@@ -28,8 +28,9 @@ from configurator import (Rule, configure, device_name, fraction, non_empty, non
                           positive, positive_int)
 from model import GPT, GPTConfig, ROUTING_KEYS
 from router import step_budgets
-from runtime import autocast_for, keep_freed_cpu_memory, pick_device
-from stats import add_counts, layer_mean, predictive_entropy, routing_counts, routing_stats, routing_summary
+from runtime import autocast_for, join_torchrun, keep_freed_cpu_memory, pick_device
+from stats import (add_counts, done_line, eval_line, layer_mean, predictive_entropy, routing_counts, routing_stats,
+                   routing_summary)
 
 # -----------------------------------------------------------------------------
 # I/O
@@ -131,23 +132,11 @@ if out_dir_problem:
     fail(f"--out_dir={out_dir} {out_dir_problem}; give another --out_dir")
 try:
     device = pick_device(device)
+    if ddp:  # this rank's device and its share of the accumulation steps
+        device, gradient_accumulation_steps = join_torchrun(device, gradient_accumulation_steps)
 except ValueError as e:
     fail(e)
 device_type = 'cuda' if device.startswith('cuda') else device
-if ddp:
-    if device_type == 'cuda':
-        local_rank = int(os.environ['LOCAL_RANK'])  # every rank checks, so that rank 0 says it
-        if int(os.environ.get('LOCAL_WORLD_SIZE', local_rank + 1)) > torch.cuda.device_count():
-            fail(f"torchrun started more processes on this node than the {torch.cuda.device_count()} visible "
-                 f"GPU(s): use --nproc_per_node={torch.cuda.device_count()}, or --device=cpu (gloo)")
-        device = f"cuda:{local_rank}"
-        torch.cuda.set_device(device)
-    dist.init_process_group(backend='nccl' if device_type == 'cuda' else 'gloo')
-    if gradient_accumulation_steps > world_size and gradient_accumulation_steps % world_size:
-        fail(f"--gradient_accumulation_steps={gradient_accumulation_steps} must be a multiple of the {world_size} "
-             f"processes (each runs gradient_accumulation_steps / {world_size}), or at most {world_size}")
-    # the global count is divided across the ranks; below one each, every rank runs one micro-step
-    gradient_accumulation_steps = max(1, gradient_accumulation_steps // world_size)
 lr_decay_iters = lr_decay_iters or max_iters
 torch.manual_seed(seed)
 keep_freed_cpu_memory()
@@ -202,12 +191,10 @@ if source is not None:  # resume a run, or fine-tune (a new run) from another ru
     checkpoint = ckpt_io.load(source, ('model', 'model_args') + (
         ('optimizer', 'iter_num', 'best_val_loss', 'batch_gen_state', 'torch_rng_state') if init_from == 'resume' else ()),
         quiet=not master_process)  # under torchrun, rank 0 says what is wrong once
-    for k, saved in checkpoint['model_args'].items():  # settings not given here come from the checkpoint
-        if k in overridden and model_args.get(k) != saved and k not in ROUTING_KEYS:
-            fail(f"{source} was trained with {k}={saved!r}, this run asks for {k}={model_args[k]!r}; "
-                 f"drop --{k}, or train from scratch in another --out_dir")
-        if k not in overridden:
-            model_args[k] = saved
+    try:  # settings not given here come from the checkpoint; of those given, only the routing may differ
+        model_args = ckpt_io.merged_args(checkpoint['model_args'], model_args, overridden, ROUTING_KEYS, source)
+    except ValueError as e:
+        fail(e)
     if checkpoint['model_args'].get('vocab_size') != meta['vocab_size']:
         fail(f"{source} has vocab_size={checkpoint['model_args'].get('vocab_size')}, but {data_dir} has "
              f"{meta['vocab_size']}; use the dataset it was trained on (--dataset={checkpoint.get('dataset')})")
@@ -417,17 +404,8 @@ while True:
         check_weights(iter_num)
     if evaluating and master_process:
         losses, layers = estimate_loss()
-        causal = (f" (offline {losses['val_offline']['ce']:.4f}, causal {losses['val_causal']['ce']:.4f}, "
-                  f"worst causal prefix overspend {losses['val_causal']['prefix_overspend']:+d} experts)"
-                  if 'val_causal' in losses else '')
         experts_trained = pairs_trained.item() / tokens_trained if tokens_trained else None
-        routing = (" | experts/token " + ' '.join(f"{l['experts_mean']:.2f}[{l['experts_min']}-{l['experts_max']}]"
-                                                  for l in layers) +
-                   f" | load cv {layer_mean(layers, 'load_cv'):.3f}, entropy {layer_mean(layers, 'entropy'):.3f}" +
-                   (f" | {experts_trained:.2f} experts/token in training so far" if experts_trained else '')
-                   if layers else '')
-        print(f"step {iter_num}: train ce {losses['train']['ce']:.4f}, val ce {losses['val']['ce']:.4f}{causal}, "
-              f"val aux {losses['val']['aux']:.4f}{routing}")
+        print(eval_line(iter_num, losses, layers, experts_trained))
         log(dict(event='eval', iter=iter_num, lr=lr, time=time.time() - t_start, layers=layers,
                  experts_trained=experts_trained, **{
             f'{split}_{k}': v for split, d in losses.items() for k, v in d.items()}))
@@ -512,9 +490,4 @@ if master_process:  # the run's summary, also the last line of log.jsonl (sweep.
     log(summary)
     if io_error:
         fail(f"{io_error}; the run finished and {ckpt_path} holds its last checkpoint (step {saved_iter})")
-    causal = f", causal routing {summary['val_ce_causal']:.4f}" if 'val_causal' in losses else ''
-    trained = f" (in training {experts_trained:.2f})" if experts_trained else ''
-    routing = (f", experts/token {summary['experts_mean']:.2f}{trained}, load cv {summary['load_cv']:.3f}, "
-               f"entropy {summary['entropy']:.3f} (means over MoE layers)" if layers else " (a dense GPT, no routing)")
-    print(f"done: {iter_num} iterations, {summary['time']:.0f}s; final val ce {summary['val_ce']:.4f}{causal}"
-          f"{routing}" + (f"; checkpoint in {ckpt_path}" if saved_iter is not None else ''))
+    print(done_line(summary) + (f"; checkpoint in {ckpt_path}" if saved_iter is not None else ''))
