@@ -14,6 +14,7 @@ from dataclasses import fields
 import torch
 
 from model import GPTConfig
+from prepare import written
 
 MODEL_KEYS = [f.name for f in fields(GPTConfig)]  # the settings a checkpoint's model_args hold
 # model settings added since the first checkpoints, with the values that reproduce a checkpoint written
@@ -29,21 +30,15 @@ def non_finite(state_dict):
 
 
 def save(ckpt, path):
-    """Write to a temporary file, then rename: a run killed mid-save keeps its last good checkpoint. When
-    the file system refuses (disk full, quota, I/O error), OSError, with the temporary file removed and the
-    last checkpoint as it was."""
+    """Write to a temporary file, then rename (prepare.written): a run killed mid-save keeps its last good
+    checkpoint. When the file system refuses (disk full, quota, I/O error), OSError naming path, with the
+    temporary file removed and the last checkpoint as it was."""
     buffer = io.BytesIO()
     torch.save(ckpt, buffer)  # in memory first: a failed write is then an OSError that says why
-    try:
-        with open(path + '.tmp', 'wb') as f:
-            f.write(buffer.getbuffer())
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(path + '.tmp', path)
-    except OSError:
-        with suppress(OSError):
-            os.remove(path + '.tmp')
-        raise
+    with written(path) as tmp, open(tmp, 'wb') as f:
+        f.write(buffer.getbuffer())
+        f.flush()
+        os.fsync(f.fileno())  # on disk before the rename: a crash cannot leave the new name on no data
 
 
 def append_line(path, line):

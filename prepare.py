@@ -164,7 +164,7 @@ def get_codec(meta):
 
 # -----------------------------------------------------------------------------
 # writing: each file to a temporary name first, renamed once complete, so a full disk or an interrupted
-# run never leaves a truncated train.bin that looks finished
+# run never leaves a truncated train.bin that looks finished (checkpoint.save writes ckpt.pt the same way)
 
 @contextmanager
 def written(path):
