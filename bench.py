@@ -24,9 +24,11 @@ import re
 import statistics
 import sys
 import time
+import warnings
 from contextlib import nullcontext
 
 import torch
+import torch._inductor.config  # bench_decode times the first compile with its caches off
 import torch.nn.functional as F
 
 from configurator import Rule, configure, each, non_negative_int, one_of, positive_int
@@ -278,6 +280,7 @@ def decode_in_turns(ways, prompt, steps, recompute_every=1, block=16, recompute=
     return cached, recomputed, caches, idx
 
 
+warnings.filterwarnings('ignore', message='dynamo_pgo force disabled')  # bench_decode's cold compiles: as meant
 CAPPED = 'compiled, experts capped at top_k'  # see bench_decode
 
 
@@ -300,11 +303,12 @@ def bench_decode(results):
             moe.router.slots = moe.router.budget
         ways[('seqtopk', CAPPED)] = (capped, capped.stepper(compile=True))
     # decode_in_turns takes generate's steps: the same tokens as generate(temperature=0), checked here; the
-    # first compiled generation compiles the step, timed apart
+    # first compiled generation compiles the step, timed apart and from cold (inductor's on-disk caches
+    # unused: a user's first compile, not a rerun's)
     compile_s = {}
     for (router, way), (model, _) in ways.items():
         t0 = time.perf_counter()
-        with autocast():
+        with autocast(), torch._inductor.config.patch(force_disable_caches=True):
             generated = model.generate(prompt, 16, temperature=0, compile=way != 'eager')
         sync()
         if way != 'eager':
@@ -321,7 +325,7 @@ def bench_decode(results):
 
     print(f"\n### Decoding: {new_tokens} new tokens after a {prompt_tokens}-token prompt, larger model with a "
           f"{decode_block_size}-token context (greedy, batch 1; the ways taken in turns" +
-          (f"; compiled: the decoding step compiled once, in {compile_s[('topk', 'compiled')]:.0f} s for topk and "
+          (f"; compiled: the decoding step compiled once, cold, in {compile_s[('topk', 'compiled')]:.0f} s for topk and "
            f"{compile_s[('seqtopk', 'compiled')]:.0f} s for seqtopk" if compile_s else '') + ")\n")
     print("| router | decoding step | KV + Expert Cache tok/s | full recompute tok/s (eager) | speed-up |")
     print("| --- | --- | --- | --- | --- |")
