@@ -6,8 +6,14 @@ The (token, expert) pairs a mask selects are sorted by expert, each pair's token
 expert matmuls run as one grouped matmul each (torch._grouped_mm where it can run, else one matmul
 per expert), the outputs are scaled by the gates and added back to their tokens.
 """
+import functools
+import os
+import subprocess
+import warnings
+
 import torch
 from torch.nn import functional as F
+from torch.utils import cpp_extension
 
 
 def grouped_kernel_ok(kernel, *mats):
@@ -121,16 +127,19 @@ def dispatch(x, mask, weights, w_fc, w_proj, n_pairs=None, kernel=True, slots=No
 
 def slot_dispatch(x, mask, weights, w_fc, w_proj, slots, budget=None):
     """A decoding step's experts with static shapes: each token's `slots` slots hold the experts it takes,
-    then its first expert again with a zero gate (so no other expert's weights are read). On the CPU, where
-    a step's time is mostly its slots' matmuls, the slots past `budget` run under torch.cond, only when a
-    token takes one of them (on the bench model, online seqtopk's token takes more than top_k experts in a
-    third of a layer's steps): a branch on the host, with no shape depending on the data. On a GPU all
-    slots run, as one CUDA graph replays them, and a branch would wait on the device."""
+    then its first expert again with a zero gate (so no other expert's weights are read). On a GPU all slots
+    run, as one CUDA graph replays them. On the CPU, where a step's time is mostly its experts' matmuls, the
+    C++ op of experts_cpu.cpp runs only the slots taken; where it cannot be built, inductor's kernel runs
+    the slots, those past `budget` under torch.cond, only when a token takes one (on the bench model, online
+    seqtopk's token takes more than top_k experts in a third of a layer's steps): a branch on the host, with
+    no shape depending on the data."""
     taken, expert = mask.to(x.dtype).topk(slots, dim=-1)  # the experts it takes come first
     expert = torch.where(taken > 0, expert, expert[:, :1])
     gate = weights.gather(-1, expert) * taken
     if x.device.type != 'cpu':
         return slot_experts(x, expert, gate, w_fc, w_proj)
+    if x.dtype == w_fc.dtype == torch.float32 and cpu_kernel():
+        return torch.ops.seqmoe.token_experts(x, expert, gate, w_fc, w_proj)
     usual = min(budget or slots, slots)
     order = dealt(usual, cpu_threads())  # see dealt
     y = slot_experts(x, expert[:, order], gate[:, order], w_fc, w_proj)
@@ -138,6 +147,27 @@ def slot_dispatch(x, mask, weights, w_fc, w_proj, slots, budget=None):
         return y
     rest = (x, expert[:, usual:], gate[:, usual:], w_fc, w_proj)
     return y + torch.cond(taken[:, usual:].any(), slot_experts, no_experts, rest)
+
+
+@torch.compiler.assume_constant_result  # decided when the step compiles: a constant of its graph
+def cpu_kernel():
+    """Whether the op of experts_cpu.cpp can run: built on first use (about a minute, then loaded from torch's
+    extension cache), with the system's C++ compiler and ninja, as inductor compiles its own kernels."""
+    return built_cpu_kernel()
+
+
+@functools.cache  # one build (or one failed try) per process
+def built_cpu_kernel():
+    try:
+        cpp_extension.load('seqmoe_experts_cpu', [os.path.join(os.path.dirname(__file__), 'experts_cpu.cpp')],
+                           extra_cflags=['-O3', '-march=native', '-fopenmp'], extra_ldflags=['-fopenmp'],
+                           is_python_module=False)
+    except (RuntimeError, OSError, subprocess.CalledProcessError) as e:
+        warnings.warn(f"experts_cpu.cpp could not be built ({str(e).splitlines()[0] if str(e) else type(e).__name__}); "
+                      f"the compiled CPU decoding step runs inductor's kernel over every slot instead")
+        return False
+    torch.library.register_fake('seqmoe::token_experts')(lambda x, expert, gate, w_fc, w_proj: torch.empty_like(x))
+    return True
 
 
 def slot_experts(x, expert, gate, w_fc, w_proj):

@@ -100,10 +100,16 @@ def test_a_decoding_step_dispatch_with_fewer_pairs_than_experts_equals_the_refer
     torch.testing.assert_close(out, naive_moe(x, mask, weights, w_fc, w_proj), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("cpu_op", [True, False])
 @pytest.mark.parametrize("budget,most_taken", [(None, 3), (2, 3), (2, 2), (3, 3)])
-def test_a_decoding_step_with_static_slots_equals_the_reference(budget, most_taken):
+def test_a_decoding_step_with_static_slots_equals_the_reference(budget, most_taken, cpu_op, monkeypatch):
     # each token runs `slots` pairs: the experts it takes, then its first again with a zero gate; on the CPU
-    # the slots past the budget run only when a token takes one (torch.cond), and either way add up the same
+    # the C++ op runs only those taken, and without it the slots past the budget run only when a token takes
+    # one (torch.cond): either way they add up the same
+    import experts
+    if cpu_op and not experts.built_cpu_kernel():
+        pytest.skip("experts_cpu.cpp cannot be built here (no C++ compiler or ninja)")
+    monkeypatch.setattr(experts, 'cpu_kernel', lambda: cpu_op)
     g = torch.Generator().manual_seed(4)
     M, C, H, N = 3, 16, 12, 8
     mask = torch.zeros(M, N, dtype=torch.bool)
