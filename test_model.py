@@ -122,6 +122,17 @@ def test_a_decoding_step_with_static_slots_equals_the_reference(budget, most_tak
     assert out[2].abs().max() == 0
 
 
+def test_where_the_cpu_op_cannot_be_built_the_step_says_so_once_and_keeps_inductors_slots(monkeypatch):
+    import subprocess
+    import experts
+
+    def no_compiler(*args, **kwargs):
+        raise subprocess.CalledProcessError(1, ['ninja', '-v'])
+    monkeypatch.setattr(experts.cpp_extension, 'load', no_compiler)
+    with pytest.warns(UserWarning, match="experts_cpu.cpp could not be built .*runs inductor's kernel"):
+        assert experts.built_cpu_kernel.__wrapped__() is False  # the uncached build, as on a first call
+
+
 @pytest.mark.parametrize("router", ["topk", "mrltopk", "seqtopk", "batchtopk"])
 def test_the_exact_budgets_dispatch_with_static_shapes_equal_to_the_dynamic_path(router, monkeypatch):
     from router import Router
