@@ -35,7 +35,8 @@ static inline void accumulate(float* acc, const float* v, float scale, const flo
 // y[m] = sum over s with gate[m, s] != 0 of gate[m, s] * gelu(x[m] @ w_fc[e]) @ w_proj[e], e = expert[m, s]
 at::Tensor token_experts(const at::Tensor& x, const at::Tensor& expert, const at::Tensor& gate,
                          const at::Tensor& w_fc, const at::Tensor& w_proj) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && w_fc.scalar_type() == at::kFloat && gate.scalar_type() == at::kFloat,
+  TORCH_CHECK(x.scalar_type() == at::kFloat && gate.scalar_type() == at::kFloat && w_fc.scalar_type() == at::kFloat &&
+                  w_proj.scalar_type() == at::kFloat,
               "token_experts: float32 only");
   const at::Tensor xc = x.contiguous(), ec = expert.contiguous(), gc = gate.contiguous();
   const at::Tensor fc = w_fc.contiguous(), proj = w_proj.contiguous();

@@ -21,11 +21,10 @@ def pick_device(device):
     return device
 
 
-def join_torchrun(device, accumulation):
-    """Under torchrun (RANK, WORLD_SIZE set): join the process group (NCCL on GPUs, gloo on the CPU) and
+def join_torchrun(device, accumulation, world_size):
+    """Under torchrun (world_size processes): join the process group (NCCL on GPUs, gloo on the CPU) and
     return this rank's device (cuda:LOCAL_RANK on GPUs) and its share of the global gradient accumulation
     steps; ValueError for a launch these cannot be split over. Every rank checks, so that rank 0 says it."""
-    world_size = int(os.environ['WORLD_SIZE'])
     if device.startswith('cuda'):
         local_rank, gpus = int(os.environ['LOCAL_RANK']), torch.cuda.device_count()
         if int(os.environ.get('LOCAL_WORLD_SIZE', local_rank + 1)) > gpus:

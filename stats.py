@@ -99,6 +99,7 @@ def done_line(summary):
     return (f"done: {summary['iter']} iterations, {summary['time']:.0f}s; final val ce {summary['val_ce']:.4f}"
             f"{causal}{routing}")
 
+
 # -----------------------------------------------------------------------------
 # paired statistics: runs trained with the same seed share the initialisation and the batches
 

@@ -133,7 +133,7 @@ if out_dir_problem:
 try:
     device = pick_device(device)
     if ddp:  # this rank's device and its share of the accumulation steps
-        device, gradient_accumulation_steps = join_torchrun(device, gradient_accumulation_steps)
+        device, gradient_accumulation_steps = join_torchrun(device, gradient_accumulation_steps, world_size)
 except ValueError as e:
     fail(e)
 device_type = 'cuda' if device.startswith('cuda') else device
