@@ -13,7 +13,6 @@ import warnings
 
 import torch
 from torch.nn import functional as F
-from torch.utils import cpp_extension
 
 
 def grouped_kernel_ok(kernel, *mats):
@@ -158,6 +157,9 @@ def cpu_kernel():
 
 @functools.cache  # one build (or one failed try) per process
 def built_cpu_kernel():
+    # imported here, not at the top: on a CUDA build of torch without a GPU, importing it prints a warning,
+    # which every script would otherwise print before its first line
+    from torch.utils import cpp_extension
     try:
         cpp_extension.load('seqmoe_experts_cpu', [os.path.join(os.path.dirname(__file__), 'experts_cpu.cpp')],
                            extra_cflags=['-O3', '-march=native', '-fopenmp'], extra_ldflags=['-fopenmp'],

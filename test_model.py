@@ -124,13 +124,25 @@ def test_a_decoding_step_with_static_slots_equals_the_reference(budget, most_tak
 
 def test_where_the_cpu_op_cannot_be_built_the_step_says_so_once_and_keeps_inductors_slots(monkeypatch):
     import subprocess
+    from torch.utils import cpp_extension
     import experts
 
     def no_compiler(*args, **kwargs):
         raise subprocess.CalledProcessError(1, ['ninja', '-v'])
-    monkeypatch.setattr(experts.cpp_extension, 'load', no_compiler)
+    monkeypatch.setattr(cpp_extension, 'load', no_compiler)
     with pytest.warns(UserWarning, match="experts_cpu.cpp could not be built .*runs inductor's kernel"):
         assert experts.built_cpu_kernel.__wrapped__() is False  # the uncached build, as on a first call
+
+
+def test_the_cpu_op_s_build_tools_load_only_when_a_compiled_cpu_step_needs_them():
+    # a CUDA build of torch on a machine without a GPU warns on importing them: a script's one error line
+    # (or its first output) must not come after that warning
+    import subprocess
+    import sys
+    from conftest import REPO
+    probe = "import sys, model, experts, prepare, sample, bench; print('torch.utils.cpp_extension' in sys.modules)"
+    result = subprocess.run([sys.executable, '-c', probe], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.stdout.strip() == 'False', result.stderr
 
 
 @pytest.mark.parametrize("router", ["topk", "mrltopk", "seqtopk", "batchtopk"])
