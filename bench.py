@@ -35,8 +35,8 @@ from configurator import Rule, configure, each, non_negative_int, one_of, positi
 from cache import Cache
 from model import GPT, GPTConfig, MoE
 from runtime import keep_freed_cpu_memory
-from router import (ROUTERS, batchtopk_mask, online_seqtopk_mask, relu_gates, seqtopk_mask, threshold_mask,
-                    topk_mask)
+from router import (ROUTERS, batchtopk_mask, online_seqtopk_mask, relu_gates, seqtopk_mask, step_budgets,
+                    threshold_mask, topk_mask)
 
 # -----------------------------------------------------------------------------
 what = 'all'              # all | route | train | moe | decode
@@ -78,6 +78,9 @@ RELATIONS = [('moe_top_k', lambda c: c['moe_top_k'] <= c['moe_n_exp'], 'at most 
               <= c['decode_block_size'], 'contexts of at most --decode_block_size={decode_block_size} '
               'minus --steps_at_context={steps_at_context}')]
 configure(globals(), sys.argv[1:], RULES, RELATIONS)
+# one process compiles a GPT per router and size: each is one more entry in the same functions' caches, and past
+# torch's default of 8 the rest would run eagerly, timed as if compiled
+torch._dynamo.config.recompile_limit = 64
 ptdtype = {'float32': torch.float32, 'bfloat16': torch.bfloat16}[dtype]
 device_type = 'cuda' if device.startswith('cuda') else 'cpu'
 autocast = (lambda: torch.autocast(device_type=device_type, dtype=ptdtype)) if dtype != 'float32' else nullcontext
@@ -168,10 +171,12 @@ def bench_train(results):
             step_model = torch.compile(model) if compile else model
             opt = model.configure_optimizers(0.1, 1e-4, (0.9, 0.99), device_type)
 
-            def run(step_model=step_model, opt=opt):
+            def run(step_model=step_model, opt=opt, model=model):
                 for _ in range(train_steps):
+                    # each layer's k drawn outside the model, as train.py does (mrltopk: a fresh draw every step)
+                    moe_ks = step_budgets(model.config, len(model.routers()))
                     with autocast():
-                        _, ce, aux = step_model(x, y)
+                        _, ce, aux = step_model(x, y, moe_ks=moe_ks)
                     (ce + aux['aux_loss']).backward()
                     opt.step()
                     opt.zero_grad(set_to_none=True)

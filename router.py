@@ -31,6 +31,7 @@ def mrltopk_budgets(k):
     return budgets + [k] if k not in budgets else budgets
 
 
+@torch.compiler.disable  # drawn eagerly: in a compiled forward the layer count can turn symbolic, and randint fails
 def mrltopk_draw(k, n_layers, generator=None):
     # MRL-TopK (appendix "LLM fine-tuning Experiment Setting"): each layer's k ~ Uniform{2^1..2^log2 K}.
     """One training step's budgets, one per MoE layer, as plain ints (static shapes); each layer then
