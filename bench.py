@@ -171,10 +171,10 @@ def bench_train(results):
             step_model = torch.compile(model) if compile else model
             opt = model.configure_optimizers(0.1, 1e-4, (0.9, 0.99), device_type)
 
-            def run(step_model=step_model, opt=opt, model=model):
+            def run(step_model=step_model, opt=opt, cfg=model.config, n_moe=len(model.routers())):
                 for _ in range(train_steps):
                     # each layer's k drawn outside the model, as train.py does (mrltopk: a fresh draw every step)
-                    moe_ks = step_budgets(model.config, len(model.routers()))
+                    moe_ks = step_budgets(cfg, n_moe)
                     with autocast():
                         _, ce, aux = step_model(x, y, moe_ks=moe_ks)
                     (ce + aux['aux_loss']).backward()
