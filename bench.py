@@ -35,8 +35,8 @@ from configurator import Rule, configure, each, non_negative_int, one_of, positi
 from cache import Cache
 from model import GPT, GPTConfig, MoE
 from runtime import keep_freed_cpu_memory
-from router import (ROUTERS, batchtopk_mask, online_seqtopk_mask, relu_gates, seqtopk_mask, step_budgets,
-                    threshold_mask, topk_mask)
+from fast import compiled_step, online_seqtopk_mask
+from router import ROUTERS, batchtopk_mask, seqtopk_mask, step_budgets, topk_mask
 
 # -----------------------------------------------------------------------------
 what = 'all'              # all | route | train | moe | decode
@@ -125,6 +125,12 @@ def peak_memory(fn):
     return torch.cuda.max_memory_allocated()
 
 
+def cache_bytes(cache, names):
+    """Bytes of a Cache's buffers of these names, over its layers (KV: k, v; Expert Cache: the rest)."""
+    tensors = [getattr(layer, name) for layer in cache.layers for name in names]
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
 def build(router, shape, **kw):
     torch.manual_seed(seed)
     return GPT(GPTConfig(router=router, **{**shape, **kw})).to(device)
@@ -142,10 +148,10 @@ def bench_route(results):
         scores = logits.softmax(-1)
         paths = {'topk': lambda: topk_mask(scores, k),
                  'seqtopk (training: offline)': lambda: seqtopk_mask(scores, k),
-                 'seqtopk (causal evaluation: online)': lambda: online_seqtopk_mask(scores, k),
+                 'seqtopk (causal evaluation: online)': lambda: online_seqtopk_mask(scores, k, 1, k + 2),
                  'batchtopk (training)': lambda: batchtopk_mask(scores, k),
-                 'batchtopk (evaluation: threshold)': lambda: threshold_mask(scores, 1 / n_exp),
-                 'relu': lambda: relu_gates(logits) > 0}
+                 'batchtopk (evaluation: threshold)': lambda: scores > 1 / n_exp,
+                 'relu': lambda: F.relu(logits) > 0}
         with torch.no_grad():
             times = interleaved({name: (lambda fn: lambda: [fn() for _ in range(20)])(fn) for name, fn in paths.items()})
         for name, t in times.items():
@@ -255,8 +261,8 @@ def bench_moe(results):
 @torch.inference_mode()
 def decode_in_turns(ways, prompt, steps, recompute_every=1, block=16, recompute=()):
     """Greedy decoding of `steps` tokens after `prompt` in every way, name -> (model, step), as GPT.generate
-    decodes: the prompt eagerly into a Cache, then one token a step through step (model.stepper, eager or
-    compiled); the ways named in `recompute` also recompute the whole context, eagerly (at every
+    decodes: the prompt eagerly into a Cache, then one token a step through step (model.decode_step or
+    fast.compiled_step); the ways named in `recompute` also recompute the whole context, eagerly (at every
     `recompute_every`-th step). The
     ways take turns every `block` steps: cached steps follow each other as in generation, and a drift in
     the machine's speed hits all alike. Returns, per way, the seconds of each cached step (step 0 is the
@@ -279,7 +285,7 @@ def decode_in_turns(ways, prompt, steps, recompute_every=1, block=16, recompute=
             for name, (model, _) in ways.items():
                 for i in (i for i in turn if i % recompute_every == 0 and name in recompute):
                     t0 = time.perf_counter()
-                    model(idx[name][:, :prompt.shape[1] + i], causal=True)  # what generate(use_cache=False) runs
+                    model(idx[name][:, :prompt.shape[1] + i], online=True)  # what generate(use_cache=False) runs
                     sync()
                     recomputed[name].append(time.perf_counter() - t0)
     return cached, recomputed, caches, idx
@@ -300,21 +306,21 @@ def bench_decode(results):
     prompt = torch.randint(0, shape['vocab_size'], (1, prompt_tokens), generator=gen).to(device)
     models = {router: build(router, shape).eval() for router in ('topk', 'seqtopk')}
     way_names = decode_ways.split(',')
-    ways = {(router, way): (model, model.stepper(compile=way == 'compiled'))
+    ways = {(router, way): (model, compiled_step(model) if way == 'compiled' else model.decode_step)
             for router, model in models.items() for way in way_names}
     if 'compiled' in way_names:  # seqtopk's routing and Expert Cache with topk's expert work: top_k slots a token
         capped = build('seqtopk', shape).eval()
         for moe in (m for m in capped.modules() if isinstance(m, MoE)):
             moe.router.slots = moe.router.budget
-        ways[('seqtopk', CAPPED)] = (capped, capped.stepper(compile=True))
+        ways[('seqtopk', CAPPED)] = (capped, compiled_step(capped))
     # decode_in_turns takes generate's steps: the same tokens as generate(temperature=0), checked here; the
     # first compiled generation compiles the step, timed apart and from cold (inductor's on-disk caches
     # unused: a user's first compile, not a rerun's)
     compile_s = {}
-    for (router, way), (model, _) in ways.items():
+    for (router, way), (model, step) in ways.items():
         t0 = time.perf_counter()
         with autocast(), torch._inductor.config.patch(force_disable_caches=True):
-            generated = model.generate(prompt, 16, temperature=0, compile=way != 'eager')
+            generated = model.generate(prompt, 16, temperature=0, step=step)
         sync()
         if way != 'eager':
             compile_s[(router, way)] = time.perf_counter() - t0
@@ -367,7 +373,7 @@ def bench_decode(results):
         runs = [decode_in_turns(ways, prompt, steps_at_context + 1, recompute_every=8, recompute=recompute)
                 for _ in range(repeats + 1)][1:]
         again = {r: statistics.mean(s for _, rec, *_ in runs for s in rec[(r, way_names[0])]) for r in models}
-        kv, expert = (runs[-1][2][('seqtopk', way_names[0])].nbytes(kind) for kind in ('kv', 'expert'))
+        kv, expert = (cache_bytes(runs[-1][2][('seqtopk', way_names[0])], names) for names in (('k', 'v'), ('expert_cache', 'spent')))
         for way in way_names:
             step = {r: statistics.mean(s for c, *_ in runs for s in c[(r, way)][1:]) for r in models}  # not the prompt
             ratio, spread = speed_ratio(runs, ('seqtopk', way), ('topk', way), skip=1)

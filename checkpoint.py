@@ -5,6 +5,7 @@ seqmoe checkpoint into one line saying what is wrong with which file: empty, tru
 file, another project's (nanoGPT's), missing keys, weights that do not fit the model.
 """
 import io
+import json
 import os
 import re
 import warnings
@@ -20,7 +21,15 @@ MODEL_KEYS = [f.name for f in fields(GPTConfig)]  # the settings a checkpoint's 
 # model settings added since the first checkpoints, with the values that reproduce a checkpoint written
 # before them (the paper's gates: the selected softmax scores, unscaled), and the buffers added with them
 LEGACY_MODEL_ARGS = dict(score_func='softmax', route_scale=1.0, balance='aux', balance_rate=1e-3)
-LATER_BUFFERS = ('.expert_bias', '.expert_load')  # balance='bias': zeros until it is used
+# settings that may change on resume or fine-tuning; the rest is architecture
+ROUTING_KEYS = {'router', 'top_k', 'seq_min_k', 'seq_max_k', 'norm_topk_prob', 'aux_loss_weight',
+                'z_loss_weight', 'score_func', 'route_scale', 'balance', 'balance_rate',
+                'threshold_decay', 'relu_l1_init', 'relu_l1_step', 'relu_l1_per_layer',
+                'relu_threshold_step', 'moe_impl', 'dropout', 'seq_causal', 'seq_budget'}
+# a router's state buffers: each router keeps its own, so a checkpoint of another router (or one
+# from before routers kept only theirs) has others; a router starts those it lacks afresh
+ROUTER_STATE = tuple(f'.router.{name}' for name in (
+    'threshold', 'l1_coef', 'active_sum', 'active_count', 'expert_bias', 'expert_load'))
 
 
 def non_finite(state_dict):
@@ -52,6 +61,48 @@ def append_line(path, line):
         with suppress(OSError):
             os.truncate(path, size)
         raise
+
+
+class RunFiles:
+    """out_dir's log.jsonl and ckpt.pt as a run writes them (rank 0): lines appended whole, checkpoints
+    saved atomically. The first write the file system refuses (disk full, quota, I/O error) is kept in
+    `error` and nothing more is written: the run then stops after its step, its last good checkpoint
+    (step `saved_iter`) left as it was."""
+
+    def __init__(self, out_dir, saved_iter=None):
+        self.log_path = os.path.join(out_dir, 'log.jsonl')
+        self.ckpt_path = os.path.join(out_dir, 'ckpt.pt')
+        self.saved_iter = saved_iter
+        self.error = None
+
+    def new_log(self):
+        with suppress(FileNotFoundError):
+            os.remove(self.log_path)
+
+    def log(self, record):
+        if not self.error:
+            try:
+                append_line(self.log_path, json.dumps(record))
+            except OSError as e:
+                self.failed(self.log_path, e)
+
+    def save(self, ckpt):
+        if not self.error:
+            try:
+                save(ckpt, self.ckpt_path)
+                self.saved_iter = ckpt['iter_num']
+            except OSError as e:
+                self.failed(self.ckpt_path, e)
+
+    def failed(self, path, e):
+        self.error = self.error or f"could not write {path} ({e.strerror or e})"
+
+    def kept(self, fix, resume):
+        """What a stopped run leaves, and how to go on."""
+        if self.saved_iter is None:
+            return f"this run wrote no checkpoint; {fix}, then start again"
+        return (f"{self.ckpt_path} is left as it was (step {self.saved_iter}); {fix}, then continue "
+                f"with: {resume}")
 
 
 def out_dir_problem(path):
@@ -139,6 +190,33 @@ def merged_args(saved, model_args, overridden, changeable, path):
     return {**model_args, **{k: value for k, value in saved.items() if k not in overridden}}
 
 
+def load_to_continue(source, resume, model_args, overridden, meta, data_dir, quiet=False):
+    """The checkpoint a run resumes (resume=True) or fine-tunes from, and the run's model settings
+    merged with its; ValueError saying what does not fit."""
+    if not os.path.isfile(source):
+        raise ValueError(f"--init_from=resume but there is no checkpoint at {source}; start the run with "
+                         f"--init_from=scratch, or give the --out_dir of the run to continue")
+    state = ('optimizer', 'iter_num', 'best_val_loss', 'batch_gen_state', 'torch_rng_state')
+    checkpoint = load(source, ('model', 'model_args') + (state if resume else ()), quiet=quiet)
+    model_args = merged_args(checkpoint['model_args'], model_args, overridden, ROUTING_KEYS, source)
+    if checkpoint['model_args'].get('vocab_size') != meta['vocab_size']:
+        raise ValueError(f"{source} has vocab_size={checkpoint['model_args'].get('vocab_size')}, but {data_dir} "
+                         f"has {meta['vocab_size']}; use the dataset it was trained on "
+                         f"(--dataset={checkpoint.get('dataset')})")
+    return checkpoint, model_args
+
+
+def restore_state(checkpoint, source, optimizer, batch_gen):
+    """A resumed run's optimizer, batch stream and RNG as the checkpoint left them, or ValueError."""
+    try:
+        optimizer.load_state_dict(checkpoint['optimizer'])
+        batch_gen.set_state(checkpoint['batch_gen_state'])
+        torch.set_rng_state(checkpoint['torch_rng_state'])
+    except (ValueError, RuntimeError, TypeError, KeyError) as e:
+        raise ValueError(f"{source} has an optimizer or RNG state this run cannot restore ({type(e).__name__}); "
+                         f"fine-tune from it instead: --init_from={source} --out_dir=ANOTHER_DIR") from None
+
+
 @said_once
 def load_weights(model, ckpt, path):
     """model.load_state_dict(ckpt['model']), or one line naming the keys that do not fit."""
@@ -147,7 +225,8 @@ def load_weights(model, ckpt, path):
     except RuntimeError as e:  # a shape mismatch
         detail = next((line.strip() for line in str(e).splitlines() if 'size mismatch' in line), str(e))
         _fail(path, f"has weights that do not fit its model_args ({detail[:200]})")
-    missing = [k for k in result.missing_keys if not k.endswith(LATER_BUFFERS)]
-    if missing or result.unexpected_keys:
+    missing = [k for k in result.missing_keys if not k.endswith(ROUTER_STATE)]
+    unexpected = [k for k in result.unexpected_keys if not k.endswith(ROUTER_STATE)]
+    if missing or unexpected:
         _fail(path, f"has weights that do not fit its model_args: missing "
-                    f"{', '.join(missing[:3]) or 'none'}, unexpected {', '.join(result.unexpected_keys[:3]) or 'none'}")
+                    f"{', '.join(missing[:3]) or 'none'}, unexpected {', '.join(unexpected[:3]) or 'none'}")

@@ -21,6 +21,8 @@ import re
 from ast import literal_eval
 from collections import namedtuple
 
+from router import ROUTERS
+
 TYPE_NAMES = {bool: 'True or False', int: 'an integer', float: 'a number', str: 'text'}
 
 
@@ -138,3 +140,16 @@ def configure(config, args, rules, relations=()):
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
     return settings, overridden
+
+
+# what each model setting may be (GPTConfig.validate checks them; the routers check the rest)
+MODEL_RULES = dict(
+    block_size=positive_int, vocab_size=positive_int, n_layer=positive_int, n_head=positive_int,
+    n_embd=positive_int, dropout=fraction, n_exp=positive_int, top_k=positive_int,
+    exp_dim=positive_int, moe_every=non_negative_int, mlp_dim=non_negative_int,
+    seq_min_k=non_negative_int, seq_max_k=non_negative_int, aux_loss_weight=non_negative,
+    z_loss_weight=non_negative, threshold_decay=fraction, score_func=one_of('softmax', 'sigmoid'),
+    route_scale=non_negative, balance=one_of('aux', 'bias', 'none'), balance_rate=positive,
+    relu_l1_init=positive, relu_l1_step=above(1), relu_threshold_step=non_negative,
+    moe_impl=one_of('grouped', 'loop'), seq_budget=one_of('plain', 'strict'),
+    router=Rule(lambda v: v in ROUTERS, 'one of ' + ', '.join(ROUTERS)))  # ROUTERS when checked

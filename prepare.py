@@ -230,6 +230,18 @@ def rebuild_command(data_dir):
     return f"`python prepare.py --text=FILE --out_dir={data_dir}` (or `--dataset=SOURCE`)"
 
 
+def on_first_use(dataset, data_dir):
+    """Prepare a built-in dataset the first time a run asks for it; ValueError for any other that
+    is missing."""
+    if os.path.exists(data_dir):
+        return
+    if dataset not in BUILTIN:
+        raise ValueError(f"no data in {data_dir}/; make it with `python prepare.py --text=FILE` or "
+                         f"`--dataset=HUB_NAME_OR_PATH` (or use the built-in --dataset=shakespeare_char)")
+    print(f"preparing the built-in dataset '{dataset}' in {data_dir}/")
+    main(BUILTIN[dataset] + [f'--out_dir={data_dir}'])
+
+
 def check_data(data_dir, block_size):
     """The meta of a data folder made by prepare.py, after checking what training reads: train.bin and
     val.bin, whole numbers of uint16 tokens, each longer than block_size + 1, and meta.pkl with its

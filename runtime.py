@@ -6,6 +6,9 @@ import ctypes
 import ctypes.util
 import os
 import platform
+import shlex
+import signal
+import sys
 
 import torch
 import torch.distributed as dist
@@ -59,3 +62,32 @@ def keep_freed_cpu_memory():
     M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
     libc.mallopt(M_MMAP_THRESHOLD, 1 << 30)  # allocations under 1 GB come from the reusable heap
     libc.mallopt(M_TRIM_THRESHOLD, 1 << 31)  # and freeing keeps up to 2 GB of it for the next ones
+
+
+class StopRequest:
+    """SIGTERM (a preemption) or SIGINT (Ctrl-C): the loop finishes its step, saves and exits; the
+    signal's name, once received (repeats are ignored)."""
+
+    def __init__(self):
+        self.signal = None
+        signal.signal(signal.SIGTERM, self.request)
+        signal.signal(signal.SIGINT, self.request)
+
+    def request(self, signum, frame):
+        self.signal = self.signal or signal.Signals(signum).name
+
+
+def agree(ddp, *flags):
+    """Whether any rank raised each flag: one small all-reduce, so that every rank stops at the
+    same step (a diverged loss, a signal, a refused write)."""
+    flags = torch.stack([torch.as_tensor(f, device=flags[0].device) for f in flags]).float()
+    if ddp:
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    return [bool(f) for f in flags.tolist()]
+
+
+def resume_command(world_size, ddp):
+    """The command that continues this run."""
+    args = [a for a in sys.argv[1:] if not a.startswith(('--init_from=', '--overwrite='))]
+    launcher = f"torchrun --standalone --nproc_per_node={world_size}" if ddp else "python"
+    return f"{launcher} {shlex.join([sys.argv[0], *args, '--init_from=resume'])}"

@@ -13,6 +13,7 @@ import torch
 
 import checkpoint as ckpt_io
 from configurator import configure, device_name, non_empty, non_negative, non_negative_int, one_of, positive_int
+import fast
 from model import GPT, GPTConfig
 from prepare import get_codec
 from runtime import autocast_for, keep_freed_cpu_memory, pick_device
@@ -107,10 +108,11 @@ if __name__ == '__main__':
     x = torch.tensor(start_ids, dtype=torch.long, device=device)[None, ...]
     cfg = model.config
     sync = torch.cuda.synchronize if device.startswith('cuda') else lambda: None
+    step = fast.compiled_step(model) if compile else None  # compiled as gpt-fast's generate.py does
     if compile:  # compiled once, by a short greedy generation (it draws no random numbers), timed apart
         t0 = time.time()
         with ctx:
-            model.generate(x[:, :1], 2, temperature=0, compile=True)
+            model.generate(x[:, :1], 2, temperature=0, step=step)
         sync()
         print(f"[compiled the decoding step in {time.time() - t0:.1f} s]")
     for _ in range(num_samples):
@@ -125,7 +127,7 @@ if __name__ == '__main__':
         try:
             with ctx:
                 y = model.generate(x, max_new_tokens, temperature=temperature, sample_top_k=sample_top_k or None,
-                                   use_cache=use_cache, prompt_routing=prompt_routing, compile=compile,
+                                   use_cache=use_cache, prompt_routing=prompt_routing, step=step,
                                    on_step=count_experts if model.routers() else None)  # a dense GPT routes nothing
         except ValueError as e:
             fail(e)

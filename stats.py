@@ -74,6 +74,28 @@ def summed_histogram(layers):
     return [sum(column) for column in zip(*(layer['experts_hist'] for layer in layers))]
 
 
+def start_line(model, device, dtype, batch_size, accumulation, world_size):
+    """What a run trains: its routing or dense FFN, parameters, device and global batch."""
+    cfg, routers = model.config, model.routers()
+    return ((f"{cfg.router} routing, {cfg.top_k} of {cfg.n_exp} experts per token: " if routers else
+             f"dense GPT (no MoE layers), FFN width {cfg.mlp_dim or 4 * cfg.n_embd}: ") +
+            f"{model.num_params() / 1e6:.2f}M parameters, {model.num_params(active=True) / 1e6:.2f}M active; "
+            f"device {device}, {dtype}; global batch {batch_size * accumulation * world_size} "
+            f"sequences = {batch_size} x {accumulation} micro-steps" +
+            (f" x {world_size} processes" if world_size > 1 else ''))
+
+
+def done_summary(cfg, model, routers, losses, layers, experts_trained, **run):
+    """A finished run's summary: the last line of its log.jsonl, which sweep.py reads."""
+    return dict(event='done', **run, router=cfg.router if routers else 'dense', top_k=cfg.top_k,
+                n_exp=cfg.n_exp, mlp_dim=cfg.mlp_dim or 4 * cfg.n_embd, moe_layers=len(routers),
+                params=model.num_params(), active_params=model.num_params(active=True),
+                val_ce=losses['val']['ce'], val_ce_offline=losses.get('val_offline', losses['val'])['ce'],
+                val_ce_causal=losses['val_causal']['ce'] if 'val_causal' in losses else None,
+                experts_trained=experts_trained,
+                **{k: layer_mean(layers, k) for k in ('experts_mean', 'load_cv', 'entropy')})
+
+
 def eval_line(step, losses, layers, experts_trained):
     """train.py's line at an evaluation: the losses (for an online router, offline and causal), and per MoE
     layer experts per token [fewest-most], then the layers' mean load cv and entropy."""

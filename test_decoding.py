@@ -8,7 +8,7 @@ import torch
 
 from conftest import counting_batches, needs_cuda, trained_tiny
 from cache import Cache
-from experts import dealt
+from fast import compiled_step, dealt
 from router import ROUTERS
 
 
@@ -21,7 +21,7 @@ def test_the_expert_cache_routes_decoding_exactly_like_the_causal_prefix_rule(ro
     model = trained_tiny(router, **kw)
     seq = next(counting_batches(seed=3, B=2))[0][:, :24]
     seq[:, 10:] = torch.randint(0, 16, (2, 14))  # off-pattern tokens make routing vary more
-    logits_tf, _, tf = model(seq, seq, causal=True)  # teacher forcing, one pass
+    logits_tf, _, tf = model(seq, seq, online=True)  # teacher forcing, one pass
     cache = Cache(model.config)
     steps = [model(seq[:, :6], seq[:, :6], cache=cache)]  # the prompt
     steps += [model(seq[:, m:m + 1], seq[:, m:m + 1], cache=cache) for m in range(6, 24)]
@@ -32,8 +32,8 @@ def test_the_expert_cache_routes_decoding_exactly_like_the_causal_prefix_rule(ro
     if router == 'seqtopk':
         # the Expert Cache holds every token's scores of rank min_k..max_k-1 (here 1..3 of 4 experts), in a
         # buffer of block_size tokens whose unwritten slots can never score as high as a real one
-        assert cache.layers[0].candidates.shape == (2, 32, 3) and cache.layers[0].count.item() == 24
-        assert (cache.layers[0].candidates[:, 24:] == float('-inf')).all()
+        assert cache.layers[0].expert_cache.shape == (2, 32, 3) and cache.pos.item() == 24
+        assert (cache.layers[0].expert_cache[:, 24:] == float('-inf')).all()
 
 
 @pytest.mark.parametrize("router", ROUTERS)
@@ -48,10 +48,10 @@ def test_kv_cached_generation_equals_full_recompute(router):
 def test_causal_routing_in_the_model_ignores_later_tokens():
     model = trained_tiny('seqtopk')
     seq = torch.randint(0, 16, (2, 30), generator=torch.Generator().manual_seed(4))
-    _, _, before = model(seq, causal=True)
+    _, _, before = model(seq, online=True)
     changed = seq.clone()
     changed[:, 12:] = (changed[:, 12:] + 5) % 16
-    _, _, after = model(changed, causal=True)
+    _, _, after = model(changed, online=True)
     for (mask_a, _), (mask_b, _) in zip(before['routing'], after['routing']):
         assert torch.equal(mask_a[:, :12], mask_b[:, :12])
 
@@ -60,8 +60,8 @@ def test_a_prompt_routed_jointly_takes_offline_seqtopk_then_decodes_online():
     model = trained_tiny('seqtopk')
     seq = torch.randint(0, 16, (2, 20), generator=torch.Generator().manual_seed(6))
     cache = Cache(model.config)
-    _, _, prompt = model(seq[:, :12], cache=cache, causal=False)  # what prompt_routing='joint' does
-    _, _, offline = model(seq[:, :12], causal=False)
+    _, _, prompt = model(seq[:, :12], cache=cache, online=False)  # what prompt_routing='joint' does
+    _, _, offline = model(seq[:, :12], online=False)
     for (mask_p, _), (mask_o, _) in zip(prompt['routing'], offline['routing']):
         assert torch.equal(mask_p, mask_o)
     assert torch.equal(cache.layers[0].spent, torch.full((2,), 12 * 2))  # exact budget on the prompt
@@ -102,7 +102,7 @@ def expert_counts(routing, into):
 
 
 # batchtopk's threshold and relu bound no token's experts: their step counts its pairs from the data, and
-# compiles to one graph all the same (stepper compiles with fullgraph=True, which raises at a graph break)
+# compiles to one graph all the same (compiled_step compiles with fullgraph=True: a graph break raises)
 @pytest.mark.parametrize("router,kw", [("topk", {}), ("seqtopk", {}), ("seqtopk", {'seq_budget': 'strict'}),
                                        ("batchtopk", {}), ("relu", {})])
 def test_compiled_decoding_gives_exactly_the_eager_tokens_and_expert_counts(router, kw):
@@ -112,7 +112,8 @@ def test_compiled_decoding_gives_exactly_the_eager_tokens_and_expert_counts(rout
     runs = {}
     for compile in (False, True):  # 5 + 34 tokens: past block_size=32 the cache starts again, compiled too
         counts = []
-        tokens = model.generate(prompt, 34, temperature=0, compile=compile, on_step=lambda r: expert_counts(r, counts))
+        tokens = model.generate(prompt, 34, temperature=0, step=compiled_step(model) if compile else None,
+                                on_step=lambda r: expert_counts(r, counts))
         runs[compile] = tokens, counts
     (eager, eager_counts), (compiled, compiled_counts) = runs[False], runs[True]
     assert torch.equal(compiled, eager)
@@ -127,7 +128,6 @@ def test_a_decoding_step_compiles_to_one_graph_with_no_break(router):
     cache = Cache(model.config)
     with torch.inference_mode():
         model(prompt, cache=cache)
-        cache.reserve(1)  # the host's part, which generate does around the compiled step
         explanation = torch._dynamo.explain(model.decode_step)(prompt[:, -1:].contiguous(), cache)
     assert explanation.graph_break_count == 0 and explanation.graph_count == 1, explanation.break_reasons
 
@@ -148,7 +148,7 @@ def test_a_compiled_decoding_step_compiles_once_for_the_whole_generation(router)
     model = trained_tiny(router)
     prompt = torch.randint(0, 16, (2, 5), generator=torch.Generator().manual_seed(1))
     with torch._dynamo.config.patch(error_on_recompile=True):  # the step's graph must not depend on the context
-        model.generate(prompt, 34, temperature=0, compile=True)  # past block_size=32: the cache starts again
+        model.generate(prompt, 34, temperature=0, step=compiled_step(model))  # past block_size: starts again
 
 
 @needs_cuda
@@ -157,7 +157,7 @@ def test_cuda_a_compiled_decoding_step_never_waits_on_the_host(router):
     torch._dynamo.reset()
     model = trained_tiny(router).cuda()
     prompt = torch.randint(0, 16, (2, 5), generator=torch.Generator().manual_seed(1)).cuda()
-    cache, step = Cache(model.config), model.stepper(compile=True)
+    cache, step = Cache(model.config), compiled_step(model)
     with torch.inference_mode():
         model(prompt, cache=cache)
         token = prompt[:, -1:].contiguous()

@@ -7,13 +7,13 @@ import pytest
 import torch
 
 from conftest import counting_batches, needs_cuda, tiny_config, train_step
-from experts import dispatch
+from experts import decode_experts, moe_experts
 from model import GPT
 from router import ROUTERS, topk_mask
 
 
 # -----------------------------------------------------------------------------
-# dispatch: one path from any mask to expert outputs
+# the experts: from any mask to expert outputs, each way equal to a per-token reference
 
 def naive_moe(x, mask, weights, w_fc, w_proj):
     """Reference: every token, every selected expert, one at a time."""
@@ -26,7 +26,7 @@ def naive_moe(x, mask, weights, w_fc, w_proj):
 
 
 @pytest.mark.parametrize("kernel", [True, False])
-def test_dispatch_equals_a_per_token_reference_forward_and_gradient(kernel):
+def test_moe_experts_equal_a_per_token_reference_forward_and_gradient(kernel):
     g = torch.Generator().manual_seed(0)
     M, C, H, N = 24, 16, 12, 6
     mask = torch.rand(M, N, generator=g) < 0.35  # 0 to N experts per token; some experts idle
@@ -36,7 +36,7 @@ def test_dispatch_equals_a_per_token_reference_forward_and_gradient(kernel):
     params = [torch.randn(M, C, generator=g), torch.randn(N, C, H, generator=g) * 0.3,
               torch.randn(N, H, C, generator=g) * 0.3]
     grads = []
-    for fn in (lambda *a: dispatch(*a[:1], mask, weights, *a[1:], kernel=kernel),
+    for fn in (lambda *a: moe_experts(*a[:1], mask, weights, *a[1:], kernel=kernel),
                lambda *a: naive_moe(a[0], mask, weights, a[1], a[2])):
         leaves = [p.clone().requires_grad_() for p in params]
         out = fn(*leaves)
@@ -50,7 +50,7 @@ def test_dispatch_equals_a_per_token_reference_forward_and_gradient(kernel):
 
 
 @pytest.mark.parametrize("kernel", [True, False])
-def test_dispatch_passes_gradcheck_in_float64(kernel):
+def test_moe_experts_pass_gradcheck_in_float64(kernel):
     g = torch.Generator().manual_seed(3)
     M, C, H, N = 9, 4, 3, 5
     mask = torch.rand(M, N, generator=g) < 0.4
@@ -60,7 +60,7 @@ def test_dispatch_passes_gradcheck_in_float64(kernel):
               torch.randn(N, C, H, generator=g, dtype=torch.float64).requires_grad_(),
               torch.randn(N, H, C, generator=g, dtype=torch.float64).requires_grad_()]
     for n_pairs in (None, int(mask.sum())):  # the dynamic and the static (exact budget) paths
-        assert torch.autograd.gradcheck(lambda x, w, fc, proj: dispatch(x, mask, w, fc, proj, n_pairs, kernel),
+        assert torch.autograd.gradcheck(lambda x, w, fc, proj: moe_experts(x, mask, w, fc, proj, n_pairs, kernel),
                                         inputs)
 
 
@@ -83,33 +83,35 @@ def test_an_expert_width_the_grouped_kernel_cannot_take_falls_back_to_a_matmul_p
     mask = torch.rand(M, N, generator=g) < 0.5
     weights = torch.rand(M, N, generator=g) * mask
     x, w_fc, w_proj = torch.randn(M, C, generator=g), torch.randn(N, C, H, generator=g), torch.randn(N, H, C, generator=g)
-    torch.testing.assert_close(dispatch(x, mask, weights, w_fc, w_proj), naive_moe(x, mask, weights, w_fc, w_proj),
+    torch.testing.assert_close(moe_experts(x, mask, weights, w_fc, w_proj), naive_moe(x, mask, weights, w_fc, w_proj),
                                rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("n_pairs", [None, 3])
-def test_a_decoding_step_dispatch_with_fewer_pairs_than_experts_equals_the_reference(n_pairs):
+@pytest.mark.parametrize("slots", [3, 4])
+def test_a_decoding_step_s_experts_equal_the_reference(slots):
+    # each pair's expert weights gathered; with slots, every token runs `slots` pairs, the experts it
+    # takes and then its first again with a zero gate
     g = torch.Generator().manual_seed(2)
-    M, C, H, N = 2, 16, 12, 8  # two tokens, 3 pairs < 8 experts: the gathered batched matmul
+    M, C, H, N = 3, 16, 12, 8
     mask = torch.zeros(M, N, dtype=torch.bool)
-    mask[0, [1, 6]] = mask[1, 6] = True
+    mask[0, [1, 6, 2]] = mask[1, 6] = True  # 3 experts, 1 expert, and none at all
     weights = torch.rand(M, N, generator=g) * mask
     x, w_fc, w_proj = torch.randn(M, C, generator=g), torch.randn(N, C, H, generator=g), torch.randn(N, H, C, generator=g)
     with torch.inference_mode():
-        out = dispatch(x, mask, weights, w_fc, w_proj, n_pairs=n_pairs)
+        out = decode_experts(x, mask, weights, w_fc, w_proj, slots)
     torch.testing.assert_close(out, naive_moe(x, mask, weights, w_fc, w_proj), rtol=1e-4, atol=1e-5)
+    assert out[2].abs().max() == 0
 
 
 @pytest.mark.parametrize("cpu_op", [True, False])
 @pytest.mark.parametrize("budget,most_taken", [(None, 3), (2, 3), (2, 2), (3, 3)])
-def test_a_decoding_step_with_static_slots_equals_the_reference(budget, most_taken, cpu_op, monkeypatch):
-    # each token runs `slots` pairs: the experts it takes, then its first again with a zero gate; on the CPU
-    # the C++ op runs only those taken, and without it the slots past the budget run only when a token takes
-    # one (torch.cond): either way they add up the same
-    import experts
-    if cpu_op and not experts.built_cpu_kernel():
+def test_the_compiled_cpu_step_s_experts_equal_the_reference(budget, most_taken, cpu_op, monkeypatch):
+    # fast.py: the C++ op runs only the slots taken; without it the slots past the budget run only when
+    # a token takes one (torch.cond): either way they add up as the reference does
+    import fast
+    if cpu_op and not fast.built_cpu_kernel():
         pytest.skip("experts_cpu.cpp cannot be built here (no C++ compiler or ninja)")
-    monkeypatch.setattr(experts, 'cpu_kernel', lambda: cpu_op)
+    monkeypatch.setattr(fast, 'cpu_kernel', lambda: cpu_op)
     g = torch.Generator().manual_seed(4)
     M, C, H, N = 3, 16, 12, 8
     mask = torch.zeros(M, N, dtype=torch.bool)
@@ -117,7 +119,7 @@ def test_a_decoding_step_with_static_slots_equals_the_reference(budget, most_tak
     weights = torch.rand(M, N, generator=g) * mask
     x, w_fc, w_proj = torch.randn(M, C, generator=g), torch.randn(N, C, H, generator=g), torch.randn(N, H, C, generator=g)
     with torch.inference_mode():
-        out = dispatch(x, mask, weights, w_fc, w_proj, slots=4, budget=budget)
+        out = fast.cpu_experts(x, mask, weights, w_fc, w_proj, slots=4, budget=budget)
     torch.testing.assert_close(out, naive_moe(x, mask, weights, w_fc, w_proj), rtol=1e-4, atol=1e-5)
     assert out[2].abs().max() == 0
 
@@ -125,13 +127,13 @@ def test_a_decoding_step_with_static_slots_equals_the_reference(budget, most_tak
 def test_where_the_cpu_op_cannot_be_built_the_step_says_so_once_and_keeps_inductors_slots(monkeypatch):
     import subprocess
     from torch.utils import cpp_extension
-    import experts
+    import fast
 
     def no_compiler(*args, **kwargs):
         raise subprocess.CalledProcessError(1, ['ninja', '-v'])
     monkeypatch.setattr(cpp_extension, 'load', no_compiler)
     with pytest.warns(UserWarning, match="experts_cpu.cpp could not be built .*runs inductor's kernel"):
-        assert experts.built_cpu_kernel.__wrapped__() is False  # the uncached build, as on a first call
+        assert fast.built_cpu_kernel.__wrapped__() is False  # the uncached build, as on a first call
 
 
 def test_the_cpu_op_s_build_tools_load_only_when_a_compiled_cpu_step_needs_them():
@@ -140,22 +142,22 @@ def test_the_cpu_op_s_build_tools_load_only_when_a_compiled_cpu_step_needs_them(
     import subprocess
     import sys
     from conftest import REPO
-    probe = "import sys, model, experts, prepare, sample, bench; print('torch.utils.cpp_extension' in sys.modules)"
+    probe = "import sys, model, experts, fast, prepare, sample, bench; print('torch.utils.cpp_extension' in sys.modules)"
     result = subprocess.run([sys.executable, '-c', probe], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.stdout.strip() == 'False', result.stderr
 
 
 @pytest.mark.parametrize("router", ["topk", "mrltopk", "seqtopk", "batchtopk"])
 def test_the_exact_budgets_dispatch_with_static_shapes_equal_to_the_dynamic_path(router, monkeypatch):
-    from router import Router
+    from router import ROUTERS
     torch.manual_seed(0)
     model = GPT(tiny_config(router))
     x, y = next(counting_batches(seed=7))
     # topk, mrltopk, seqtopk and batchtopk in training know their B*T*k pairs before routing ...
-    assert [b.ffn.router.fixed_pairs(x.numel()) for b in model.transformer.h] == [x.numel() * 2] * 2
+    assert [b.ffn.router.pairs(x.numel(), False) for b in model.transformer.h] == [x.numel() * 2] * 2
     static = train_step(model, x, y)
     # ... and give the same loss and gradients as the path that counts the pairs (relu's)
-    monkeypatch.setattr(Router, 'fixed_pairs', lambda self, n_tokens, causal=False: None)
+    monkeypatch.setattr(ROUTERS[router], 'pairs', lambda self, n_tokens, online: None)
     dynamic = train_step(model, x, y)
     assert torch.equal(static[0], dynamic[0])
     for a, b in zip(static[1], dynamic[1]):
@@ -205,12 +207,12 @@ def test_under_bf16_autocast_the_experts_run_in_bf16_and_match_fp32():
 
 
 def test_the_grouped_kernel_runs_only_where_torch_has_one():
-    from experts import grouped_kernel_ok
+    from fast import grouped_kernel_ok
     w = torch.zeros(4, 16, 16)
-    assert grouped_kernel_ok(True, w) and not grouped_kernel_ok(False, w)  # CPU: fp32, bf16, fp16; False: the loop
-    assert grouped_kernel_ok(True, w.bfloat16()) and not grouped_kernel_ok(True, w.double())  # float64: the loop
-    assert not grouped_kernel_ok(True, torch.zeros(4, 16, 3))  # rows of 12 bytes: not 16-byte aligned
-    assert not grouped_kernel_ok(True, w.to('meta', torch.bfloat16))  # another device (e.g. mps): the loop
+    assert grouped_kernel_ok(w) and grouped_kernel_ok(w.bfloat16())  # CPU: fp32, bf16, fp16
+    assert not grouped_kernel_ok(w.double())  # float64: experts.expert_loop
+    assert not grouped_kernel_ok(torch.zeros(4, 16, 3))  # rows of 12 bytes: not 16-byte aligned
+    assert not grouped_kernel_ok(w.to('meta', torch.bfloat16))  # another device (e.g. mps): the loop
 
 
 @pytest.mark.parametrize("router", ["topk", "seqtopk"])
@@ -235,7 +237,7 @@ def test_cuda_bf16_dispatch_equals_the_fp32_reference_forward_and_gradient():
     results = []
     for device, dtype in (('cpu', torch.float32), ('cuda', torch.bfloat16)):
         leaves = [p.to(device, dtype).detach().requires_grad_() for p in params]  # fresh leaves each pass
-        out = dispatch(leaves[0], mask.to(device), weights.to(device, dtype), *leaves[1:], n_pairs=M * 2)
+        out = moe_experts(leaves[0], mask.to(device), weights.to(device, dtype), *leaves[1:], n_pairs=M * 2)
         out.float().square().sum().backward()
         results.append([t.detach().float().cpu() for t in (out, *[p.grad for p in leaves])])
     for got, want in zip(results[1], results[0]):

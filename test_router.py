@@ -11,8 +11,9 @@ import torch
 
 from conftest import counting_batches, random_scores, tiny_config, train_tiny
 from model import GPT, GPTConfig
-from router import (ROUTERS, Spec, check_router, mrltopk_budgets, mrltopk_draw, seqtopk_mask, switch_balance,
-                    topk_mask)
+import fast
+from router import (ROUTERS, Router, expert_cache_rows, mrltopk_budgets, mrltopk_draw,
+                    online_seqtopk_mask, seqtopk_mask, switch_balance, topk_mask)
 
 
 # -----------------------------------------------------------------------------
@@ -133,8 +134,8 @@ def test_infeasible_budgets_raise_a_clear_error(k, min_k, max_k):
 
 
 def test_unknown_router_is_a_clear_error():
-    with pytest.raises(ValueError, match="unknown router 'top2'"):
-        check_router(GPTConfig(router='top2'))
+    with pytest.raises(ValueError, match="--router=top2 must be one of topk, mrltopk, seqtopk"):
+        GPTConfig(router='top2').validate()
     with pytest.raises(ValueError, match="n_exp"):
         GPTConfig(n_exp=4, top_k=5).validate()
 
@@ -143,57 +144,62 @@ def test_unknown_router_is_a_clear_error():
 # online SeqTopK: each token against the tokens before it
 
 def test_online_seqtopk_routes_token_m_as_seqtopk_over_tokens_1_to_m():
-    from router import online_seqtopk_mask
+    scores = random_scores(2, 6, 8, seed=3)
+    mask = online_seqtopk_mask(scores, 2)
+    for m in range(1, 7):  # Eq. (7): token m's row of SeqTopK over tokens 1..m
+        assert torch.equal(mask[:, m - 1], seqtopk_mask(scores[:, :m], 2)[:, m - 1])
+    assert (mask.sum(-1) >= 1).all() and (mask.sum(-1) <= 4).all()
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_the_fast_online_seqtopk_equals_the_reference_whole_and_in_pieces(strict):
     for ties in (False, True):
-        for k, min_k, max_k in [(2, 1, None), (2, 0, 8), (3, 1, 8), (2, 2, 2)]:
-            scores = random_scores(3, 40, 8, seed=k, ties=ties)  # 40 tokens: over two blocks of 16 and a part
-            mask, _, _ = online_seqtopk_mask(scores, k, min_k, max_k)
-            prefix_rule = torch.stack([seqtopk_mask(scores[:, :m], k, min_k, max_k)[:, m - 1]
-                                       for m in range(1, 41)], dim=1)
-            assert torch.equal(mask, prefix_rule)
+        for k, min_k, max_k in [(2, 1, 4), (2, 0, 8), (3, 1, 8), (2, 2, 2)]:
+            scores = random_scores(3, 40, 8, seed=k, ties=ties)  # 40 tokens: two blocks of 16 and a part
+            reference = online_seqtopk_mask(scores, k, min_k, max_k, strict=strict)
+            assert torch.equal(fast.online_seqtopk_mask(scores, k, min_k, max_k, strict=strict), reference)
             # the same routing when the sequence arrives in pieces, the earlier ones in the Expert Cache
-            past, spent, pieces = None, None, []
+            past, spent, pieces = None, torch.zeros(3, dtype=torch.long), []
             for start, end in [(0, 5), (5, 6), (6, 13), (13, 14), (14, 37), (37, 40)]:
-                piece, rows, spent = online_seqtopk_mask(scores[:, start:end], k, min_k, max_k, past, spent)
+                piece = fast.online_seqtopk_mask(scores[:, start:end], k, min_k, max_k, past, spent=spent,
+                                                 strict=strict)
+                rows = expert_cache_rows(scores[:, start:end], min_k, max_k)
                 past = rows if past is None else torch.cat([past, rows], dim=1)
+                spent = spent + piece.sum(dim=(1, 2))
                 pieces.append(piece)
-            assert torch.equal(torch.cat(pieces, dim=1), mask) and torch.equal(spent, mask.sum(dim=(1, 2)))
+            assert torch.equal(torch.cat(pieces, dim=1), reference)
 
 
 def test_online_seqtopk_routes_each_sequence_of_a_large_batch_as_it_would_alone():
     # a large batch is counted in chunks that bound memory (the blocks of a sequence, the new tokens
     # against the Expert Cache); a sequence's routing must not depend on the chunking
-    from router import online_seqtopk_mask
     scores = random_scores(64, 576, 16, seed=5, ties=True)
-    mask, rows, spent = online_seqtopk_mask(scores[:, :512], 4)
-    more, _, more_spent = online_seqtopk_mask(scores[:, 512:], 4, past=rows, spent=spent)
+    rows = expert_cache_rows(scores[:, :512], 1, 6)
+    mask = fast.online_seqtopk_mask(scores[:, :512], 4, 1, 6)
+    more = fast.online_seqtopk_mask(scores[:, 512:], 4, 1, 6, past=rows)
     for b in (0, 41, 63):
-        alone, alone_rows, alone_spent = online_seqtopk_mask(scores[b:b + 1, :512], 4)
-        alone_more, _, _ = online_seqtopk_mask(scores[b:b + 1, 512:], 4, past=alone_rows, spent=alone_spent)
+        alone = fast.online_seqtopk_mask(scores[b:b + 1, :512], 4, 1, 6)
+        alone_more = fast.online_seqtopk_mask(scores[b:b + 1, 512:], 4, 1, 6, past=rows[b:b + 1])
         assert torch.equal(mask[b:b + 1], alone) and torch.equal(more[b:b + 1], alone_more)
-    assert torch.equal(more_spent, mask.sum(dim=(1, 2)) + more.sum(dim=(1, 2)))
 
 
 def test_online_seqtopk_is_causal_and_starts_as_topk():
-    from router import online_seqtopk_mask
     scores = random_scores(2, 24, 8, seed=1)
-    mask, _, _ = online_seqtopk_mask(scores, 2)
+    mask = online_seqtopk_mask(scores, 2)
     assert torch.equal(mask[:, 0], topk_mask(scores[:, :1], 2)[:, 0])  # position 1 is routed as topk
     for m in (1, 7, 15):
         changed = scores.clone()
         changed[:, m:] = random_scores(2, 24 - m, 8, seed=99 + m)
-        assert torch.equal(online_seqtopk_mask(changed, 2)[0][:, :m], mask[:, :m])
+        assert torch.equal(online_seqtopk_mask(changed, 2)[:, :m], mask[:, :m])
 
 
 def test_strict_budget_never_overspends_a_prefix_while_plain_can():
-    from router import online_seqtopk_mask
     scores = random_scores(16, 64, 8, seed=2, ties=True)
     budget = 2 * torch.arange(1, 65)
-    plain, _, _ = online_seqtopk_mask(scores, 2)
-    strict, _, spent = online_seqtopk_mask(scores, 2, strict=True)
+    plain = fast.online_seqtopk_mask(scores, 2, 1, 4)
+    strict = fast.online_seqtopk_mask(scores, 2, 1, 4, strict=True)
     assert (plain.sum(-1).cumsum(-1) > budget).any()  # the paper's plain rule does overspend
-    assert (strict.sum(-1).cumsum(-1) <= budget).all()
-    assert (strict.sum(-1) >= 1).all() and torch.equal(spent, strict.sum(dim=(1, 2)))
+    assert (strict.sum(-1).cumsum(-1) <= budget).all() and (strict.sum(-1) >= 1).all()
 
 
 # -----------------------------------------------------------------------------
@@ -348,15 +354,16 @@ def test_dense_layers_between_moe_layers():
     assert len(aux['routing']) == 1  # 2 layers, every second one MoE
 
 
-def test_a_new_router_is_one_function_and_a_row_in_the_table(monkeypatch):
+def test_a_new_router_is_one_function_a_small_class_and_a_row_in_the_table(monkeypatch):
     # "the best expert, and the next k-1 in a fixed rotation": not useful, but nothing else is needed
     def rotating_mask(scores, k):
         first = scores.argmax(-1, keepdim=True)
         chosen = (first + torch.arange(k)) % scores.shape[-1]
         return torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, chosen, True)
-    monkeypatch.setitem(ROUTERS, 'rotating', Spec(
-        select=lambda router, scores, cache, causal: rotating_mask(scores, router.budget()),
-        exact=lambda router, causal: True))
+    class Rotating(Router):
+        def select(self, scores, cache, online):
+            return rotating_mask(scores, self.budget())
+    monkeypatch.setitem(ROUTERS, 'rotating', Rotating)
     torch.manual_seed(0)
     model = GPT(tiny_config('rotating'))
     losses = train_tiny(model, 30)
@@ -371,11 +378,10 @@ def test_a_new_router_is_one_function_and_a_row_in_the_table(monkeypatch):
 # gates and balance
 
 def test_the_gates_are_route_scale_times_the_selected_scores():
-    from router import Router
     x = torch.randn(2, 12, 32, generator=torch.Generator().manual_seed(0))
     for scale, want in ((3.0, 3.0), (1.0, 1.0), (0.0, 4)):  # 0: n_exp, each gate about 1 at initialisation
         for score_func in ('softmax', 'sigmoid'):
-            router = Router(tiny_config('seqtopk', route_scale=scale, score_func=score_func))
+            router = ROUTERS['seqtopk'](tiny_config('seqtopk', route_scale=scale, score_func=score_func))
             torch.nn.init.normal_(router.gate.weight, std=0.02)  # as GPT initialises it: near-uniform scores
             mask, weights, scores, _ = router(x)
             want_scale = want if scale or score_func == 'softmax' else 2  # sigmoid scores start near 1/2
@@ -405,9 +411,8 @@ def test_seqtopk_gives_a_token_with_more_experts_more_gate_mass():
 
 @pytest.mark.parametrize("router_name", ["topk", "seqtopk", "batchtopk"])
 def test_the_balance_bias_changes_which_experts_are_chosen_never_the_gate_values(router_name):
-    from router import Router
     torch.manual_seed(0)
-    router = Router(tiny_config(router_name, balance='bias', n_exp=8)).train()
+    router = ROUTERS[router_name](tiny_config(router_name, balance='bias', n_exp=8)).train()
     x = torch.randn(2, 16, 32)
     mask, weights, scores, _ = router(x)
     router.expert_bias[5] = 1.0  # larger than any softmax score gap: every token now chooses expert 5

@@ -7,14 +7,10 @@ Train a Mixture-of-Experts GPT. With no arguments: built-in Shakespeare (charact
 
 Every value below can be overridden with --key=value or a preset file (see configurator.py).
 """
-import json
 import math
 import os
-import shlex
-import signal
 import sys
 import time
-from contextlib import suppress
 from dataclasses import asdict
 
 import numpy as np
@@ -26,11 +22,12 @@ import checkpoint as ckpt_io
 import prepare
 from configurator import (Rule, configure, device_name, fraction, non_empty, non_negative, non_negative_int, one_of,
                           positive, positive_int)
-from model import GPT, GPTConfig, ROUTING_KEYS
+from model import GPT, GPTConfig
 from router import step_budgets
-from runtime import autocast_for, join_torchrun, keep_freed_cpu_memory, pick_device
-from stats import (add_counts, done_line, eval_line, layer_mean, predictive_entropy, routing_counts, routing_stats,
-                   routing_summary)
+from runtime import (StopRequest, agree, autocast_for, join_torchrun, keep_freed_cpu_memory, pick_device,
+                     resume_command)
+from stats import (add_counts, done_line, done_summary, eval_line, predictive_entropy, routing_counts,
+                   routing_stats, routing_summary, start_line)
 
 # -----------------------------------------------------------------------------
 # I/O
@@ -147,15 +144,11 @@ dtype, ctx = autocast_for(device, dtype)
 # -----------------------------------------------------------------------------
 # data: the built-in datasets are prepared on first use, anything else must exist
 data_dir = os.path.join('data', dataset)
-if not os.path.exists(data_dir) and master_process:
-    if dataset not in prepare.BUILTIN:
-        fail(f"no data in {data_dir}/; make it with `python prepare.py --text=FILE` or "
-             f"`--dataset=HUB_NAME_OR_PATH` (or use the built-in --dataset=shakespeare_char)")
-    print(f"preparing the built-in dataset '{dataset}' in {data_dir}/")
-    prepare.main(prepare.BUILTIN[dataset] + [f'--out_dir={data_dir}'])
-if ddp:
-    dist.barrier()  # the other ranks wait for rank 0 to prepare the data
 try:
+    if master_process:
+        prepare.on_first_use(dataset, data_dir)
+    if ddp:
+        dist.barrier()  # the other ranks wait for rank 0 to prepare the data
     meta = prepare.check_data(data_dir, block_size)  # every file there, whole, long enough, readable
 except ValueError as e:
     fail(e)
@@ -165,8 +158,7 @@ batch_gen = torch.Generator().manual_seed(seed)  # draws the training batches; c
 
 
 def get_batch(split, generator=batch_gen):
-    # Every rank draws the same stream of batches and keeps its own: the global batch is what one
-    # process with gradient_accumulation_steps * world_size micro-steps would see.
+    # every rank draws the same stream and keeps its share: N processes see what one would
     arr = data[split]
     draws = [torch.randint(len(arr) - block_size, (batch_size,), generator=generator)
              for _ in range(world_size if generator is batch_gen else 1)]
@@ -182,26 +174,19 @@ def get_batch(split, generator=batch_gen):
 # model, optimizer, and (for resume) the checkpoint they continue from
 model_args['vocab_size'] = meta['vocab_size']
 iter_num, best_val_loss, checkpoint = 0, float('inf'), None
-ckpt_path = os.path.join(out_dir, 'ckpt.pt')
-source = None if init_from == 'scratch' else ckpt_path if init_from == 'resume' else init_from
+run = ckpt_io.RunFiles(out_dir)  # log.jsonl and ckpt.pt, written by rank 0
+source = None if init_from == 'scratch' else run.ckpt_path if init_from == 'resume' else init_from
 if source is not None:  # resume a run, or fine-tune (a new run) from another run's weights
-    if not os.path.isfile(source):
-        fail(f"--init_from=resume but there is no checkpoint at {source}; "
-             f"start the run with --init_from=scratch, or give the --out_dir of the run to continue")
-    checkpoint = ckpt_io.load(source, ('model', 'model_args') + (
-        ('optimizer', 'iter_num', 'best_val_loss', 'batch_gen_state', 'torch_rng_state') if init_from == 'resume' else ()),
-        quiet=not master_process)  # under torchrun, rank 0 says what is wrong once
-    try:  # settings not given here come from the checkpoint; of those given, only the routing may differ
-        model_args = ckpt_io.merged_args(checkpoint['model_args'], model_args, overridden, ROUTING_KEYS, source)
+    try:
+        checkpoint, model_args = ckpt_io.load_to_continue(source, init_from == 'resume', model_args, overridden,
+                                                          meta, data_dir, quiet=not master_process)
     except ValueError as e:
         fail(e)
-    if checkpoint['model_args'].get('vocab_size') != meta['vocab_size']:
-        fail(f"{source} has vocab_size={checkpoint['model_args'].get('vocab_size')}, but {data_dir} has "
-             f"{meta['vocab_size']}; use the dataset it was trained on (--dataset={checkpoint.get('dataset')})")
     model_config(model_args)
     if init_from == 'resume':
-        iter_num, best_val_loss = checkpoint['iter_num'], checkpoint['best_val_loss']
-if init_from != 'resume' and os.path.exists(ckpt_path) and not overwrite and not eval_only:
+        iter_num = run.saved_iter = checkpoint['iter_num']
+        best_val_loss = checkpoint['best_val_loss']
+if init_from != 'resume' and os.path.exists(run.ckpt_path) and not overwrite and not eval_only:
     fail(f"{out_dir}/ already holds a run; continue it with --init_from=resume, "
          f"or pick another --out_dir, or pass --overwrite=True to replace it")
 model = GPT(model_config(model_args))
@@ -211,54 +196,34 @@ model.to(device)
 optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type)
 if init_from == 'resume':  # a fine-tune starts a fresh optimizer (and warmup) on the loaded weights
     try:
-        optimizer.load_state_dict(checkpoint['optimizer'])
-        batch_gen.set_state(checkpoint['batch_gen_state'])
-        torch.set_rng_state(checkpoint['torch_rng_state'])
-    except (ValueError, RuntimeError, TypeError, KeyError) as e:
-        fail(f"{source} has an optimizer or RNG state this run cannot restore ({type(e).__name__}); "
-             f"fine-tune from it instead: --init_from={source} --out_dir=ANOTHER_DIR")
+        ckpt_io.restore_state(checkpoint, source, optimizer, batch_gen)
+    except ValueError as e:
+        fail(e)
 os.makedirs(out_dir, exist_ok=True)
 scaler = torch.amp.GradScaler(enabled=(dtype == 'float16' and device_type == 'cuda'))
 raw_model = model
 if compile:
     model = torch.compile(model)
-if ddp:  # buffers (batchtopk threshold, relu lambda) are averaged by sync_router_state instead
+if ddp:  # buffers (batchtopk threshold, relu lambda) are averaged after every step instead
     model = DDP(model, device_ids=[device] if device_type == 'cuda' else None, broadcast_buffers=False)
 cfg = raw_model.config
 routers = raw_model.routers()  # none in a dense GPT (--moe_every=0)
-
-
-def sync_router_state():
-    """Average the routers' running state over the ranks, so every rank routes identically."""
-    for buffer in (b for r in routers for b in r.state().values()) if ddp else ():
-        dist.all_reduce(buffer, op=dist.ReduceOp.SUM)
-        buffer.div_(world_size)
-
-
 if master_process:
-    print((f"{cfg.router} routing, {cfg.top_k} of {cfg.n_exp} experts per token: " if routers else
-           f"dense GPT (no MoE layers), FFN width {cfg.mlp_dim or 4 * cfg.n_embd}: ") +
-          f"{raw_model.num_params() / 1e6:.2f}M parameters, {raw_model.num_params(active=True) / 1e6:.2f}M active; "
-          f"device {device}, {dtype}; global batch {batch_size * gradient_accumulation_steps * world_size} "
-          f"sequences = {batch_size} x {gradient_accumulation_steps} micro-steps" +
-          (f" x {world_size} processes" if ddp else ''))
+    print(start_line(raw_model, device, dtype, batch_size, gradient_accumulation_steps, world_size))
 
 
 # -----------------------------------------------------------------------------
-# evaluation, learning rate, logging, checkpointing
+# evaluation, learning rate, and stopping
 @torch.no_grad()
-def evaluate(split, causal=None, entropy_bins=10):
-    """Mean cross-entropy and aux loss over eval_iters fixed batches of a split, and what the
-    routing plots need: per layer the experts-per-token histogram and the expert load; mean experts
-    per token at each position; mean experts per token against the token's predictive entropy
-    (in entropy_bins bins of H / log V); and the worst prefix overspend (experts taken by tokens
-    1..m beyond m * top_k, what the online budget promises never happens)."""
+def evaluate(split, online=None, entropy_bins=10):
+    """Mean cross-entropy and aux loss over eval_iters fixed batches of a split, and the routing
+    counts the plots need (stats.routing_counts)."""
     gen = torch.Generator().manual_seed(seed + (split == 'val'))  # the same batches at every eval
     ce, aux, counts = [], [], None
     for _ in range(eval_iters):
         X, Y = get_batch(split, gen)
         with ctx:
-            logits, loss, extra = model(X, Y, causal=causal)
+            logits, loss, extra = model(X, Y, online=online)
         ce.append(loss.item())
         aux.append(float(extra['aux_loss']))
         if extra['routing']:  # a dense GPT (moe_every=0) routes nothing
@@ -269,20 +234,18 @@ def evaluate(split, causal=None, entropy_bins=10):
 
 
 def estimate_loss():
-    """Train/val losses and per-layer routing statistics on val (experts per token, expert load,
-    entropy; the routers' state, e.g. relu's lambda, batchtopk's threshold). For a router with an online
-    rule (seqtopk) the val loss is measured with offline (whole-sequence) and causal (online) routing:
-    offline routing lets a token's expert count depend on later tokens, so the causal number is the one
-    generation reaches."""
+    """Train/val losses and per-layer routing statistics on val, with the routers' state. A router
+    with an online rule (seqtopk) is measured offline and causally (online): offline, a token's
+    expert count depends on later tokens, so the causal number is the one generation reaches."""
     model.eval()
     losses = {'train': evaluate('train')[0]}
     losses['val'], counts = evaluate('val')
-    if any(r.spec.online for r in routers):  # 'val' is whichever of the two the model trains with
+    if any(r.online for r in routers):  # 'val' is whichever of the two the model trains with
         other = 'val_offline' if cfg.seq_causal else 'val_causal'
         losses['val_causal' if cfg.seq_causal else 'val_offline'] = losses['val']
-        losses[other] = evaluate('val', causal=not cfg.seq_causal)[0]
+        losses[other] = evaluate('val', online=not cfg.seq_causal)[0]
     layers = [dict(routing_stats(counts['hist'][i], counts['load'][i]),
-                   **{name: value.tolist() for name, value in r.state().items()}) for i, r in enumerate(routers)]
+                   **{name: value.tolist() for name, value in r.named_buffers()}) for i, r in enumerate(routers)]
     model.train()
     return losses, layers
 
@@ -296,48 +259,25 @@ def get_lr(it):
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (learning_rate - min_lr)
 
 
-def log(record):
-    """Append a line to log.jsonl; if the file system refuses, the log is cut back to its last whole line
-    (and after a refused write, nothing more is written)."""
-    if io_error:
-        return
-    try:
-        ckpt_io.append_line(os.path.join(out_dir, 'log.jsonl'), json.dumps(record))
-    except OSError as e:
-        io_failed(os.path.join(out_dir, 'log.jsonl'), e)
-
-
-def save_checkpoint():
-    """Atomically (checkpoint.save): a run killed mid-save keeps its last good checkpoint."""
-    global saved_iter
-    if io_error:  # the run stops after this step; its last good checkpoint stays as it is
-        return
-    try:
-        ckpt_io.save(dict(model=raw_model.state_dict(), optimizer=optimizer.state_dict(),
-                          model_args=asdict(raw_model.config), config=config, iter_num=iter_num,
-                          best_val_loss=best_val_loss, meta=meta, dataset=dataset,
-                          batch_gen_state=batch_state, torch_rng_state=torch.get_rng_state(),
-                          pairs_trained=int(pairs_trained), tokens_trained=tokens_trained), ckpt_path)
-        saved_iter = iter_num
-    except OSError as e:
-        io_failed(ckpt_path, e)
-
-
-def io_failed(path, e):
-    """A write the file system refused (disk full, quota, I/O error): the run stops after this step, on
-    every rank, keeping its last good checkpoint."""
-    global io_error
-    io_error = io_error or f"could not write {path} ({e.strerror or e})"
+def checkpoint_now():
+    return dict(model=raw_model.state_dict(), optimizer=optimizer.state_dict(), model_args=asdict(cfg),
+                config=config, iter_num=iter_num, best_val_loss=best_val_loss, meta=meta, dataset=dataset,
+                batch_gen_state=batch_state, torch_rng_state=torch.get_rng_state(),
+                pairs_trained=int(pairs_trained), tokens_trained=tokens_trained)
 
 
 def stop(why, fix):
-    """Stop, on every rank, writing nothing more: ckpt.pt keeps the last good state; rank 0 says why and
-    how to go on."""
+    """Stop, on every rank, writing nothing more (ckpt.pt keeps the last good state); rank 0 says why
+    and how to go on."""
     if ddp:
         dist.destroy_process_group()
-    kept = (f"{ckpt_path} is left as it was (step {saved_iter}); {fix}, then continue with: {resume_command()}"
-            if saved_iter is not None else f"this run wrote no checkpoint; {fix}, then start again")
-    fail(f"{why}; {kept}")
+    fail(f"{why}; {run.kept(fix, resume_command(world_size, ddp))}")
+
+
+def stop_diverged(step, what):
+    if master_process:
+        run.log(dict(event='diverged', iter=step, what=what))
+    stop(f"{what} at step {step}: the run diverged and stopped", f"lower --learning_rate (now {learning_rate:g})")
 
 
 def check_weights(step):
@@ -347,39 +287,15 @@ def check_weights(step):
         stop_diverged(step, f"the weights hold NaN or inf ({bad[0]})")
 
 
-def stop_diverged(step, what):
-    """Stop a run that went non-finite, writing nothing: ckpt.pt keeps the last good state."""
-    if master_process:
-        log(dict(event='diverged', iter=step, what=what))
-    stop(f"{what} at step {step}: the run diverged and stopped", f"lower --learning_rate (now {learning_rate:g})")
-
-
-def request_stop(signum, frame):
-    """SIGTERM / SIGINT: the loop finishes the current step, saves, and exits (repeats are ignored)."""
-    global stop_signal
-    stop_signal = stop_signal or signal.Signals(signum).name
-
-
-def resume_command():
-    args = [a for a in sys.argv[1:] if not a.startswith(('--init_from=', '--overwrite='))]
-    launcher = f"torchrun --standalone --nproc_per_node={world_size}" if ddp else "python"
-    return f"{launcher} {shlex.join([sys.argv[0], *args, '--init_from=resume'])}"
-
-
 # -----------------------------------------------------------------------------
 # training loop (rank 0 evaluates, logs and saves)
-saved_iter = checkpoint['iter_num'] if init_from == 'resume' else None  # this run's checkpoint in ckpt_path
-io_error = None  # the first write the file system refused (io_failed)
 if init_from != 'resume' and not eval_only and master_process:
-    with suppress(FileNotFoundError):
-        os.remove(os.path.join(out_dir, 'log.jsonl'))  # a new run starts a new log
-    log(dict(event='start', config=config, model_args=asdict(cfg), params=raw_model.num_params(),
-             active_params=raw_model.num_params(active=True)))
-    if io_error:
-        stop(io_error, 'free some space')
-stop_signal = None  # set by request_stop
-signal.signal(signal.SIGTERM, request_stop)
-signal.signal(signal.SIGINT, request_stop)
+    run.new_log()
+    run.log(dict(event='start', config=config, model_args=asdict(cfg), params=raw_model.num_params(),
+                 active_params=raw_model.num_params(active=True)))
+    if run.error:
+        stop(run.error, 'free some space')
+stop_request = StopRequest()
 if eval_only and any(r.needs_calibration() for r in routers):
     # e.g. batchtopk on a checkpoint never trained with it has no threshold (<= 0 passes every expert): set
     # it as training does, from eval_iters training batches in training mode, without a gradient step
@@ -406,13 +322,13 @@ while True:
         losses, layers = estimate_loss()
         experts_trained = pairs_trained.item() / tokens_trained if tokens_trained else None
         print(eval_line(iter_num, losses, layers, experts_trained))
-        log(dict(event='eval', iter=iter_num, lr=lr, time=time.time() - t_start, layers=layers,
-                 experts_trained=experts_trained, **{
+        run.log(dict(event='eval', iter=iter_num, lr=lr, time=time.time() - t_start, layers=layers,
+                     experts_trained=experts_trained, **{
             f'{split}_{k}': v for split, d in losses.items() for k, v in d.items()}))
         improved = losses['val']['ce'] < best_val_loss
         best_val_loss = min(best_val_loss, losses['val']['ce'])
         if iter_num > 0 and (improved or always_save_checkpoint or iter_num >= max_iters):
-            save_checkpoint()
+            run.save(checkpoint_now())
     if iter_num >= max_iters or eval_only:
         break
 
@@ -435,22 +351,19 @@ while True:
         scaler.scale(loss).backward()
     scaler.unscale_(optimizer)  # a no-op without fp16 loss scaling
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip or float('inf'))  # inf: measure only
-    # one small all-reduce: every rank learns whether any rank diverged or was signalled, so all stop at this step
     finite = torch.isfinite(step_loss) & (torch.isfinite(grad_norm) | scaler.is_enabled())  # fp16: scaler skips infs
-    flags = torch.stack([~finite, torch.tensor(stop_signal is not None, device=finite.device),
-                         torch.tensor(io_error is not None, device=finite.device)]).float()
-    if ddp:
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-    diverged, stopping, failed_write = flags.tolist()
+    diverged, stopping, failed_write = agree(ddp, ~finite, stop_request.signal is not None, run.error is not None)
     if failed_write:  # on rank 0 (the only one writing): every rank stops here, none goes on without it
-        stop(io_error, 'free some space')
+        stop(run.error, 'free some space')
     if diverged:  # the step is not applied; nothing is saved
         stop_diverged(iter_num + 1, f"the training loss is {float(step_loss):.4g}" if not torch.isfinite(step_loss) else
                       f"the gradient norm is {float(grad_norm):.4g}" if not finite else "another process's loss is not finite")
     scaler.step(optimizer)
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
-    sync_router_state()
+    for buffer in (b for r in routers for b in r.buffers()) if ddp else ():  # every rank routes alike
+        dist.all_reduce(buffer, op=dist.ReduceOp.SUM)
+        buffer.div_(world_size)
     raw_model.after_step()  # the routers' step rule, e.g. relu's lambda and thresholds
     iter_num += 1
 
@@ -460,34 +373,28 @@ while True:
         t_last = now
         aux = float(extra['aux_loss'].detach()) if torch.is_tensor(extra['aux_loss']) else 0.0
         print(f"iter {iter_num}: ce {ce.item():.4f}, aux {aux:.4f}, lr {lr:.2e}, {ms:.0f} ms/iter")
-        log(dict(event='train', iter=iter_num, ce=ce.item(), aux=aux, lr=lr, ms_per_iter=ms))
+        run.log(dict(event='train', iter=iter_num, ce=ce.item(), aux=aux, lr=lr, ms_per_iter=ms))
     if stopping:  # preempted (SIGTERM) or Ctrl-C (SIGINT): keep everything, exit cleanly
         check_weights(iter_num)
         if master_process:
-            save_checkpoint()
-            log(dict(event='stopped', iter=iter_num, signal=stop_signal))
-            if io_error:
-                stop(io_error, 'free some space')
-            print(f"{stop_signal or 'signal on another rank'}: stopped after step {iter_num} and saved {ckpt_path}; "
-                  f"continue with: {resume_command()}", flush=True)
+            run.save(checkpoint_now())
+            run.log(dict(event='stopped', iter=iter_num, signal=stop_request.signal))
+            if run.error:
+                stop(run.error, 'free some space')
+            print(f"{stop_request.signal or 'signal on another rank'}: stopped after step {iter_num} and saved "
+                  f"{run.ckpt_path}; continue with: {resume_command(world_size, ddp)}", flush=True)
         if ddp:
             dist.destroy_process_group()
         sys.exit(0)
 
-if io_error:  # the final save or log (rank 0)
-    stop(io_error, 'free some space')
+if run.error:  # the final save or log (rank 0)
+    stop(run.error, 'free some space')
 if ddp:
     dist.destroy_process_group()
 if master_process:  # the run's summary, also the last line of log.jsonl (sweep.py reads it)
-    summary = dict(event='done', iter=iter_num, time=time.time() - t_begin, router=cfg.router if routers else 'dense',
-                   top_k=cfg.top_k, n_exp=cfg.n_exp, mlp_dim=cfg.mlp_dim or 4 * cfg.n_embd, moe_layers=len(routers),
-                   params=raw_model.num_params(), active_params=raw_model.num_params(active=True),
-                   init_from=init_from, eval_only=eval_only, val_ce=losses['val']['ce'],
-                   val_ce_offline=losses.get('val_offline', losses['val'])['ce'],
-                   val_ce_causal=losses['val_causal']['ce'] if 'val_causal' in losses else None,
-                   experts_trained=experts_trained,
-                   **{k: layer_mean(layers, k) for k in ('experts_mean', 'load_cv', 'entropy')})
-    log(summary)
-    if io_error:
-        fail(f"{io_error}; the run finished and {ckpt_path} holds its last checkpoint (step {saved_iter})")
-    print(done_line(summary) + (f"; checkpoint in {ckpt_path}" if saved_iter is not None else ''))
+    summary = done_summary(cfg, raw_model, routers, losses, layers, experts_trained,
+                           iter=iter_num, time=time.time() - t_begin, init_from=init_from, eval_only=eval_only)
+    run.log(summary)
+    if run.error:
+        fail(f"{run.error}; the run finished and {run.ckpt_path} holds its last checkpoint (step {run.saved_iter})")
+    print(done_line(summary) + (f"; checkpoint in {run.ckpt_path}" if run.saved_iter is not None else ''))
