@@ -16,8 +16,8 @@ def expert_loop(x, w, offs):
     """Each expert's rows of x (P, C) times its matrix of w (N, C, H) -> (P, H); offs (N,): where
     each expert's rows end. The plain definition, a matmul per expert; fast.grouped_mm is the same
     in one kernel, which torch.compile can trace."""
-    ends = offs.tolist()  # a host sync
-    return torch.cat([x[start:end] @ w[e] for e, (start, end) in enumerate(zip([0] + ends[:-1], ends))])
+    starts, ends = [0] + offs.tolist()[:-1], offs.tolist()  # a host sync
+    return torch.cat([x[start:end] @ w[e] for e, (start, end) in enumerate(zip(starts, ends))])
 
 
 def moe_experts(x, mask, gates, w_fc, w_proj, n_pairs=None, kernel=True):
@@ -55,7 +55,7 @@ def decode_experts(x, mask, gates, w_fc, w_proj, slots):
     expert, gate = slot_pairs(mask, gates, slots)  # (M, slots) each
     token = torch.arange(x.shape[0], device=x.device).repeat_interleave(slots)  # (P,)
     expert, gate = expert.flatten(), gate.flatten()  # (P,)
-    w_fc, w_proj = w_fc.index_select(0, expert), w_proj.index_select(0, expert)  # (P, C, H), (P, H, C)
+    w_fc, w_proj = w_fc.index_select(0, expert), w_proj.index_select(0, expert)  # P, C, H / P, H, C
     h = F.gelu(torch.bmm(x.index_select(0, token).unsqueeze(1), w_fc.to(x.dtype)))  # (P, 1, H)
     y = torch.bmm(h * gate.view(-1, 1, 1), w_proj.to(x.dtype)).squeeze(1)  # (P, C)
     return torch.zeros_like(x).index_add_(0, token, y)

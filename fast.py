@@ -235,7 +235,8 @@ def built_cpu_kernel():
     try:
         source = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'experts_cpu.cpp')
         cpp_extension.load('seqmoe_experts_cpu', [source], is_python_module=False,
-                           extra_cflags=['-O3', '-march=native', '-fopenmp'], extra_ldflags=['-fopenmp'])
+                           extra_cflags=['-O3', '-march=native', '-fopenmp'],
+                           extra_ldflags=['-fopenmp'])
     except (RuntimeError, OSError, subprocess.CalledProcessError) as e:
         why = str(e).splitlines()[0] if str(e) else type(e).__name__
         warnings.warn(f"experts_cpu.cpp could not be built ({why}); the compiled CPU decoding step "

@@ -47,7 +47,7 @@ class GPTConfig:
     relu_threshold_step: float = 0.1  # relu: step of the layers' ReLU thresholds (0 = ReMoE)
     moe_impl: str = 'grouped'  # 'grouped' (torch._grouped_mm where it runs), 'loop' (per expert)
     seq_causal: bool = False   # seqtopk: route every position by the online rule, as decoding does
-    seq_budget: str = 'plain'  # online seqtopk: 'plain' (the paper), 'strict' (no prefix overspends)
+    seq_budget: str = 'plain'  # online seqtopk: 'plain' (the paper), 'strict' (no prefix overspend)
 
     def validate(self):
         """ValueError in the command line's words ("--top_k=9 must be at most --n_exp=8")."""
@@ -113,12 +113,12 @@ class MoE(nn.Module):
         # the experts run in the autocast dtype (bf16 on GPUs); the router stays in fp32
         if torch.is_autocast_enabled(x.device.type):
             x = x.to(torch.get_autocast_dtype(x.device.type))
-        x, mask, gates = x.reshape(B * T, C), mask.view(B * T, -1), gates.view(B * T, -1).to(x.dtype)
+        x, mask, gates = x.view(B * T, C), mask.view(B * T, -1), gates.view(B * T, -1).to(x.dtype)
         if cache is not None and T == 1 and self.router.slots():  # a decoding step, with bounds
             y = self.decode_experts(x, mask, gates, self.w_fc, self.w_proj, self.router.slots())
         else:
-            y = moe_experts(x, mask, gates, self.w_fc, self.w_proj, self.router.pairs(B * T, online),
-                            kernel=self.config.moe_impl == 'grouped')
+            n_pairs, kernel = self.router.pairs(B * T, online), self.config.moe_impl == 'grouped'
+            y = moe_experts(x, mask, gates, self.w_fc, self.w_proj, n_pairs, kernel)
         return self.dropout(y.view(B, T, C)), aux_loss, (mask.view(B, T, -1), scores)
 
 
@@ -185,17 +185,17 @@ class GPT(nn.Module):
         """Logits, the cross-entropy (None without targets) and aux: the auxiliary loss and each MoE
         layer's routing (mask, scores). cache: a Cache to decode with; online: by the online rule
         (default: seq_causal, or with a cache); moe_ks: each MoE layer's k this training step."""
-        B, T = idx.shape
-        if T > self.config.block_size:
-            raise ValueError(f"sequence of length {T} is longer than block_size={self.config.block_size}")
-        pos = torch.arange(T, device=idx.device) if cache is None else cache.positions(T, idx.device)
+        T, block_size = idx.shape[1], self.config.block_size
+        if T > block_size:
+            raise ValueError(f"sequence of length {T} is longer than block_size={block_size}")
+        pos = cache.positions(T, idx.device) if cache else torch.arange(T, device=idx.device)
         online = (cache is not None or self.config.seq_causal) if online is None else online
         if self.training:
             routers = self.routers()
             moe_ks = step_budgets(self.config, len(routers)) if moe_ks is None else moe_ks
             for router, k in zip(routers, moe_ks, strict=True):
                 router.k = k
-        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # B, T, C
         aux_loss, routing = 0.0, []
         for i, block in enumerate(self.transformer.h):
             x, layer_aux, layer_routing = block(x, cache.layers[i] if cache else None, online, pos)

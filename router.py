@@ -30,7 +30,7 @@ def seqtopk_bounds(k, n_exp, min_k=1, max_k=None):
     if not 1 <= k <= n_exp:
         raise ValueError(f"--top_k={k} must be between 1 and --n_exp={n_exp}")
     if min_k > k:
-        raise ValueError(f"--seq_min_k={min_k} must be at most --top_k={k} (the bounds contain top_k)")
+        raise ValueError(f"--seq_min_k={min_k} must be at most --top_k={k} (bounds contain top_k)")
     if max_k < k:
         raise ValueError(f"--seq_max_k={max_k} must be 0 (= top_k + 2) or at least --top_k={k}")
     return min_k, max_k
@@ -54,7 +54,7 @@ def seqtopk_mask(scores, k, min_k=1, max_k=None):
 def online_seqtopk_mask(scores, k, min_k=1, max_k=None, strict=False):
     # Eq. (7), online SeqTopK: token m takes (m, i) when it is among the top m*k entries of the
     # m x N scores of tokens 1..m, i.e. its row of SeqTopK (Eq. 5) over the prefix.
-    """strict=True also caps token m at m*k minus what tokens 1..m-1 took, so no prefix overspends."""
+    """strict=True also caps token m at m*k minus what tokens 1..m-1 took: no prefix overspends."""
     B, T, N = scores.shape
     min_k, max_k = seqtopk_bounds(k, N, min_k, max_k)
     order = scores.topk(max_k, dim=-1).indices  # (B, T, max_k): each token's experts by rank
@@ -106,7 +106,7 @@ def routing_weights(scores, mask, renormalize=False, scale=1.0):
 
 
 def switch_balance(probs, mask, k):
-    # Switch load balance (Fedus et al.) as Megatron: N * sum_e mean_t(p_e) * tokens_e / (tokens * k);
+    # Switch load balance (Fedus et al.), as Megatron: N sum_e mean_t(p_e) tokens_e / (tokens * k);
     # ReMoE's L1 regulariser is this on the ReLU gates (thu-ml/ReMoE, ReLURouter).
     probs, mask = probs.flatten(0, -2), mask.flatten(0, -2)
     tokens_per_expert = mask.sum(0).to(probs.dtype)  # counts: no gradient flows through them
@@ -169,8 +169,8 @@ class Router(nn.Module):
         """cache: this layer's part of a generation's Cache (no auxiliary loss then); online: by
         the online rule, for the routers that have one, rather than the whole sequence."""
         cfg = self.config
-        with torch.autocast(device_type=x.device.type, enabled=False):  # fp32 even under autocast:
-            logits = F.linear(x.float(), self.gate.weight.float())  # (B, T, N); near-ties rank alike
+        with torch.autocast(device_type=x.device.type, enabled=False):  # fp32: near-ties rank alike
+            logits = F.linear(x.float(), self.gate.weight.float())  # (B, T, N)
         scores = logits.softmax(dim=-1) if cfg.score_func == 'softmax' else logits.sigmoid()
         mask, gates = self.route(logits, scores, cache, online)
         aux_loss = 0.0 if cache is not None else self.aux_loss(logits, scores, mask, gates)
@@ -227,7 +227,7 @@ class SeqTopK(Router):
     def select(self, scores, cache, online):
         cfg, (min_k, max_k) = self.config, self.bounds(self.config)
         if online:  # online_seqtopk_mask, computed fast against the Expert Cache
-            past = (None,) * 3 if cache is None else (cache.expert_cache, cache.n_past(), cache.spent)
+            past = (cache.expert_cache, cache.n_past(), cache.spent) if cache else (None,) * 3
             mask = fast.online_seqtopk_mask(scores, cfg.top_k, min_k, max_k, *past,
                                             strict=cfg.seq_budget == 'strict')
         else:
@@ -245,7 +245,7 @@ class SeqTopK(Router):
 
 class BatchTopK(Router):
     """Training: the batch's top B*T*k, the threshold following the smallest selected score (an
-    EMA); evaluation and decoding: that threshold, so no sequence depends on the rest of the batch."""
+    EMA); evaluation and decoding: that threshold, so a sequence never depends on the batch."""
 
     def __init__(self, config):
         super().__init__(config)
@@ -287,8 +287,8 @@ class ReLU(Router):
     def check(cls, config):
         super().check(config)
         if config.balance == 'bias':
-            raise ValueError("--balance=bias needs a router that ranks scores; relu balances through "
-                             "its own regulariser (use --balance=aux)")
+            raise ValueError("--balance=bias needs a router that ranks scores; relu balances "
+                             "through its own regulariser (use --balance=aux)")
 
     def route(self, logits, scores, cache, online):
         # ReMoE: gates = ReLU(logits), an expert active where its gate is positive; here the ReLU
@@ -330,8 +330,8 @@ class ReLU(Router):
             for router in group:
                 router.l1_coef.copy_(torch.where(count > 0, coef, router.l1_coef))
         for router in routers:
-            # not in ReMoE, whose lambda only shuts gates: a too-sparse layer reopens as its threshold
-            # falls by step x the relative error (active - K/N) / (K/N); never above 0
+            # not in ReMoE, whose lambda only shuts gates: a too-sparse layer reopens as its
+            # threshold falls by step x the relative error (active - K/N) / (K/N); never above 0
             active = router.active_sum / router.active_count.clamp_min(1)
             threshold = router.threshold + cfg.relu_threshold_step * (active - target) / target
             router.threshold.copy_(torch.where(router.active_count > 0, threshold.clamp(max=0.0),

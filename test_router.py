@@ -438,3 +438,25 @@ def test_balance_bias_lowers_the_load_cv_of_a_skewed_router_over_training():
     _, unbalanced = final_load_cv('none')
     assert aux_free < start / 2 and aux_free < unbalanced / 2, (start, aux_free, unbalanced)
     assert 'transformer.h.0.ffn.router.expert_bias' in GPT(tiny_config('topk', balance='bias')).state_dict()
+
+
+def test_each_router_keeps_only_its_own_state_and_loads_another_router_s_checkpoint():
+    from checkpoint import load_weights
+    buffers = {name: sorted({n.rsplit('.', 1)[1] for n, _ in GPT(tiny_config(name)).named_buffers()})
+               for name in ROUTERS}
+    assert buffers['topk'] == buffers['seqtopk'] == buffers['mrltopk'] == []
+    assert buffers['batchtopk'] == ['threshold']
+    assert buffers['relu'] == ['active_count', 'active_sum', 'l1_coef', 'threshold']
+    # a topk checkpoint (no router state) and one written before each router kept only its own (every
+    # router every buffer): both load into any router, which starts what it lacks afresh
+    topk = GPT(tiny_config('topk')).state_dict()
+    older = dict(topk, **{f'transformer.h.{i}.ffn.router.{name}': torch.full(shape, 0.5) for i in range(2)
+                          for name, shape in (('threshold', ()), ('l1_coef', ()), ('active_sum', ()),
+                                              ('active_count', ()), ('expert_bias', (4,)), ('expert_load', (4,)))})
+    for name in ROUTERS:
+        for state in (topk, older):
+            model = GPT(tiny_config(name))
+            load_weights(model, dict(model=state), 'ckpt.pt')
+            assert torch.equal(model.lm_head.weight, topk['lm_head.weight'])
+            if name == 'relu':
+                assert model.routers()[0].l1_coef.item() == pytest.approx(0.5 if state is older else 1e-8)
