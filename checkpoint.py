@@ -4,10 +4,14 @@ Saves are atomic; loading (always with weights_only=True) turns any file that is
 seqmoe checkpoint into one line saying what is wrong with which file: empty, truncated, not a torch
 file, another project's (nanoGPT's), missing keys, weights that do not fit the model.
 """
+import atexit
 import io
 import json
 import os
 import re
+import socket
+import sys
+import time
 import warnings
 from contextlib import suppress
 from dataclasses import fields
@@ -51,9 +55,18 @@ def save(ckpt, path):
 
 
 def append_line(path, line):
-    """Append line to a log; when the file system refuses (OSError), the log is cut back to its last
-    whole line."""
+    """Append line to a log whose last line is whole (one cut off mid-write, by a run killed while
+    appending, is cut away first, with a note); when the file system refuses (OSError), the log is
+    cut back to its last whole line."""
     size = os.path.getsize(path) if os.path.exists(path) else 0
+    if size:
+        with open(path, 'rb') as f:
+            f.seek(-1, os.SEEK_END)
+            if f.read(1) != b'\n':
+                f.seek(0)
+                size = f.read().rfind(b'\n') + 1
+                os.truncate(path, size)
+                print(f"note: {path} ended in a line cut off mid-write; cut it back to its last whole line")
     try:
         with open(path, 'a') as f:
             f.write(line + '\n')
@@ -63,6 +76,49 @@ def append_line(path, line):
         raise
 
 
+def read_log(path):
+    """The records of a log.jsonl, skipping lines that are not whole records (a run killed while
+    appending, an editor's save), with a note on stderr saying how many."""
+    records, skipped = [], 0
+    with open(path, encoding='utf-8', errors='replace') as f:
+        for line in filter(str.strip, f):
+            try:
+                record = json.loads(line)
+            except ValueError:
+                record = None
+            if isinstance(record, dict):
+                records.append(record)
+            else:
+                skipped += 1
+    if skipped:
+        print(f"note: {path}: skipped {skipped} line(s) that are not whole records", file=sys.stderr)
+    return records
+
+
+def lock_holder(out_dir):
+    """Who holds out_dir's lock ('pid P on host H, since T'), or None: no lock, or one left by a
+    process that is gone. On another host a process cannot be looked at: its lock counts as held."""
+    try:
+        with open(os.path.join(out_dir, LOCK)) as f:
+            holder = json.load(f)
+        pid, host = int(holder['pid']), str(holder['host'])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # no lock, or not one of ours
+    if host == socket.gethostname():
+        if pid == os.getpid():
+            return None
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return None
+        except PermissionError:
+            pass  # alive, another user's
+    return f"pid {pid} on host {host}, since {holder.get('since', '?')}"
+
+
+LOCK = 'run.lock'  # in out_dir while a run writes there: its pid, host and start
+
+
 class RunFiles:
     """out_dir's log.jsonl and ckpt.pt as a run writes them (rank 0): lines appended whole, checkpoints
     saved atomically. The first write the file system refuses (disk full, quota, I/O error) is kept in
@@ -70,10 +126,37 @@ class RunFiles:
     (step `saved_iter`) left as it was."""
 
     def __init__(self, out_dir, saved_iter=None):
+        self.out_dir = out_dir
         self.log_path = os.path.join(out_dir, 'log.jsonl')
         self.ckpt_path = os.path.join(out_dir, 'ckpt.pt')
         self.saved_iter = saved_iter
         self.error = None
+
+    def claim(self, lock=True):
+        """Make out_dir and (rank 0: lock=True) hold it for this run until the process exits: a lock
+        file with its pid and host. SystemExit naming the live run that holds it; a lock left by a
+        process that is gone (killed) is taken over, with a note."""
+        os.makedirs(self.out_dir, exist_ok=True)
+        path = os.path.join(self.out_dir, LOCK)
+        if not lock:
+            return
+        if os.path.exists(path) and not lock_holder(self.out_dir):
+            print(f"note: {path} was left by a run that is gone; taking it over")
+            with suppress(OSError):
+                os.remove(path)
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            raise SystemExit(f"error: --out_dir={self.out_dir} {in_use(self.out_dir)}") from None
+        with os.fdopen(fd, 'w') as f:
+            json.dump(dict(pid=os.getpid(), host=socket.gethostname(), since=time.strftime('%Y-%m-%d %H:%M:%S'),
+                           argv=sys.argv), f)
+        atexit.register(self.release)
+
+    def release(self):
+        if lock_holder(self.out_dir) is None:  # ours (or gone): never another live run's
+            with suppress(OSError):
+                os.remove(os.path.join(self.out_dir, LOCK))
 
     def new_log(self):
         with suppress(FileNotFoundError):
@@ -105,15 +188,23 @@ class RunFiles:
                 f"with: {resume}")
 
 
+def in_use(out_dir):
+    return (f"is in use by a live run ({lock_holder(out_dir) or 'just started'}); wait for it to end or "
+            f"stop it, or give another --out_dir (a run that is gone: delete {os.path.join(out_dir, LOCK)})")
+
+
 def out_dir_problem(path):
     """Why path cannot hold a run (None when it can), found before anything runs."""
+    if os.path.exists(path) and lock_holder(path):
+        return in_use(path)
     if os.path.exists(path):
-        return None if os.path.isdir(path) else "exists and is not a folder"
+        return None if os.path.isdir(path) else "exists and is not a folder; give another --out_dir"
     parent = os.path.dirname(os.path.abspath(path))
     while not os.path.exists(parent):
         parent = os.path.dirname(parent)
     if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
-        return f"cannot be created ({parent} is {'not a folder' if not os.path.isdir(parent) else 'not writable'})"
+        return (f"cannot be created ({parent} is {'not a folder' if not os.path.isdir(parent) else 'not writable'}); "
+                f"give another --out_dir")
 
 
 def _fail(path, why):

@@ -27,6 +27,7 @@ import matplotlib
 matplotlib.use('Agg')  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 
+from checkpoint import read_log  # noqa: E402
 from stats import layer_mean, summed_histogram  # noqa: E402
 
 
@@ -34,7 +35,7 @@ def load_run(out_dir):
     path = os.path.join(out_dir, 'log.jsonl')
     if not os.path.exists(path):
         raise SystemExit(f"error: no log.jsonl in {out_dir}; give the out_dir of a train.py run")
-    records = [json.loads(line) for line in open(path)]
+    records = read_log(path)  # skips (and says so) a line cut off mid-write
     evals = [r for r in records if r.get('event') == 'eval']
     if not evals:
         raise SystemExit(f"error: {path} has no eval records yet")

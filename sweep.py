@@ -29,6 +29,7 @@ from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 
 import numpy as np
 
+from checkpoint import read_log
 from configurator import Rule, configure, each, non_empty, non_negative_int, one_of, positive_int
 from router import ROUTERS
 from stats import format_difference, mean_std, paired_difference
@@ -63,15 +64,13 @@ def last_eval(out_dir):
     path = os.path.join(out_dir, 'log.jsonl')
     if not os.path.exists(path):
         return None
-    records = [json.loads(line) for line in open(path)]
-    done = [r for r in records if r.get('event') == 'done']
+    done = [r for r in read_log(path) if r.get('event') == 'done']
     return done[-1] if done else None
 
 
 def model_args(out_dir):
     """The model settings a finished run was built with (its log's 'start' record)."""
-    for line in open(os.path.join(out_dir, 'log.jsonl')):
-        record = json.loads(line)
+    for record in read_log(os.path.join(out_dir, 'log.jsonl')):
         if record.get('event') == 'start':
             return record['model_args']
     raise SystemExit(f"error: {out_dir}/log.jsonl has no start record")

@@ -78,9 +78,13 @@ def test_a_pretraining_sweep_adds_dense_rows_and_paired_differences(workdir):
     row = next(r for r in summary['rows'] if r['router'] == 'topk' and r['K'] == 4)
     assert (row['diff_vs_dense'], row['diff_dense_low']) == (pytest.approx(d['mean']), pytest.approx(d['low']))
     assert 'diff_causal_low' in (workdir / 'pre' / 'sweep.csv').read_text().splitlines()[0]
-    # a re-run reuses every finished run
+    # a re-run reuses every finished run, also one whose log ends in a line cut off mid-write
+    with open(workdir / 'pre' / 'topk-k4-s1' / 'log.jsonl', 'a') as f:
+        f.write('{"event": "eval", "iter": 4, "val_')
     again = run('sweep.py', *args, cwd=workdir)
     assert again.returncode == 0 and '$ ' not in again.stdout and table(again.stdout) == table(result.stdout)
+    assert 'topk-k4-s1/log.jsonl: skipped 1 line(s) that are not whole records' in again.stderr
+    assert 'Traceback' not in again.stderr
 
 
 def test_a_finetune_sweep_pretrains_per_seed_and_tabulates_training_free_rows(workdir):

@@ -11,6 +11,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -299,3 +300,45 @@ def test_an_out_dir_that_cannot_be_one_is_said_before_anything_runs(workdir, tmp
                              (tmp_path / 'afile' / 'run', f'cannot be created ({tmp_path}/afile is not a folder)')):
         line = one_error_line(run('train.py', TINY, f'--out_dir={out_dir}', cwd=workdir))
         assert line == f"error: --out_dir={out_dir} {message}; give another --out_dir"
+
+
+# -----------------------------------------------------------------------------
+# between processes and runs
+
+def test_a_log_cut_off_mid_line_is_read_around_and_cut_back_when_the_run_resumes(workdir, tmp_path):
+    import plot
+    out = tmp_path / 'cut'
+    shutil.copytree(workdir / 'run', out)
+    log = out / 'log.jsonl'
+    whole = log.read_text()
+    log.write_text(whole + '{"event": "train", "iter": 11, "ce": 2.')  # killed while appending
+    assert plot.load_run(str(out))['final']['iter'] == 10  # the figures: from the whole records
+    resumed = run('train.py', TINY, f'--out_dir={out}', '--init_from=resume', '--max_iters=12', cwd=workdir)
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"note: {log} ended in a line cut off mid-write; cut it back to its last whole line" in resumed.stdout
+    text = log.read_text()
+    records = [json.loads(line) for line in text.splitlines()]  # every line whole again
+    assert text.startswith(whole) and records[-1]['event'] == 'done' and records[-1]['iter'] == 12
+
+
+def test_a_second_run_into_a_live_run_s_out_dir_is_refused_and_a_killed_run_s_lock_is_taken_over(workdir):
+    out = workdir / 'live'
+    first = subprocess.Popen([sys.executable, os.path.join(REPO, 'train.py'), TINY, '--out_dir=live',
+                              '--max_iters=100000', '--eval_interval=100000'], cwd=workdir, env=OFFLINE_ENV,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 120
+        while not (out / 'run.lock').exists() and time.time() < deadline:
+            time.sleep(0.2)
+        for how in ('--overwrite=True', '--init_from=resume', '--eval_only=True'):
+            line = one_error_line(run('train.py', TINY, '--out_dir=live', how, cwd=workdir))
+            assert line.startswith(f"error: --out_dir=live is in use by a live run (pid {first.pid} on host "), line
+            assert 'wait for it to end or stop it, or give another --out_dir' in line
+    finally:
+        first.kill()  # SIGKILL: no chance to remove its lock
+        first.wait()
+    assert (out / 'run.lock').exists()
+    again = run('train.py', TINY, '--out_dir=live', '--overwrite=True', '--max_iters=2', cwd=workdir)
+    assert again.returncode == 0, again.stderr
+    assert f"note: live/run.lock was left by a run that is gone; taking it over" in again.stdout
+    assert not (out / 'run.lock').exists()  # released at exit

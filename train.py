@@ -126,7 +126,7 @@ if init_from == 'scratch':  # resuming or fine-tuning: checked once merged with 
     model_config(model_args)
 out_dir_problem = ckpt_io.out_dir_problem(out_dir)
 if out_dir_problem:
-    fail(f"--out_dir={out_dir} {out_dir_problem}; give another --out_dir")
+    fail(f"--out_dir={out_dir} {out_dir_problem}")
 try:
     device = pick_device(device)
     if ddp:  # this rank's device and its share of the accumulation steps
@@ -199,7 +199,7 @@ if init_from == 'resume':  # a fine-tune starts a fresh optimizer (and warmup) o
         ckpt_io.restore_state(checkpoint, source, optimizer, batch_gen)
     except ValueError as e:
         fail(e)
-os.makedirs(out_dir, exist_ok=True)
+run.claim(lock=master_process)  # out_dir, held by this run until it exits (a live run's is refused)
 scaler = torch.amp.GradScaler(enabled=(dtype == 'float16' and device_type == 'cuda'))
 raw_model = model
 if compile:
