@@ -16,8 +16,8 @@ def expert_loop(x, w, offs):
     """Each expert's rows of x (P, C) times its matrix of w (N, C, H) -> (P, H); offs (N,): where
     each expert's rows end. The plain definition, a matmul per expert; fast.grouped_mm is the same
     in one kernel, which torch.compile can trace."""
-    starts, ends = [0] + offs.tolist()[:-1], offs.tolist()  # a host sync
-    return torch.cat([x[start:end] @ w[e] for e, (start, end) in enumerate(zip(starts, ends))])
+    rows = offs.diff(prepend=offs.new_zeros(1)).tolist()  # each expert's row count: a host sync
+    return torch.cat([x_e @ w_e for x_e, w_e in zip(x.split(rows), w)])
 
 
 def moe_experts(x, mask, gates, w_fc, w_proj, n_pairs=None, kernel=True):

@@ -2,6 +2,7 @@
 Fast paths: the same results as the plain definitions in router.py and experts.py, computed
 faster. None is needed to understand the model; each is tested equal to its reference.
 
+- top_entries: router.top_entries (a stable top-n) without a sort.
 - online_seqtopk_mask: router.online_seqtopk_mask (Eq. 7) for a whole sequence in one pass by
   counting instead of T SeqTopK calls, against the Expert Cache's earlier tokens, in a few ops
   for one decoding token, and with the strict budget in closed form.
@@ -17,6 +18,16 @@ import warnings
 import torch
 
 import experts
+
+
+def top_entries(values, n):
+    """router.top_entries without a sort: the n-th largest value, then the ties that still fit, in
+    order (the selection of SeqTopK and BatchTopK in every training step)."""
+    if n == 0:
+        return torch.zeros_like(values, dtype=torch.bool)
+    nth = values.topk(n, dim=-1, sorted=False).values.amin(dim=-1, keepdim=True)
+    above, tied = values > nth, values == nth
+    return above | (tied & (tied.cumsum(dim=-1) <= n - above.sum(dim=-1, keepdim=True)))
 
 
 def cached_at_least(past, candidates):

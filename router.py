@@ -18,7 +18,7 @@ def topk_mask(scores, k):
 
 
 def top_entries(values, n):
-    """Mask of the n largest entries of each row of values (..., L), ties to the earlier entry."""
+    """Each row's n largest entries (..., L), ties to the earlier (fast.top_entries: no sort)."""
     order = values.sort(dim=-1, descending=True, stable=True).indices[..., :n]
     return torch.zeros_like(values, dtype=torch.bool).scatter_(-1, order, True)
 
@@ -45,7 +45,7 @@ def seqtopk_mask(scores, k, min_k=1, max_k=None):
     # first min_k; the rest of the budget goes to the best of the other ranks across the sequence,
     # ties to the earlier token. Scores fall with rank, so this greedy pick is the best total.
     ranked, order = scores.topk(max_k, dim=-1)  # (B, T, max_k)
-    extra = top_entries(ranked[..., min_k:].reshape(B, -1), T * (k - min_k))  # (B, T*(max_k-min_k))
+    extra = fast.top_entries(ranked[..., min_k:].reshape(B, -1), T * (k - min_k))
     taken = torch.cat([torch.ones_like(ranked[..., :min_k], dtype=torch.bool),
                        extra.view(B, T, -1)], dim=-1)  # (B, T, max_k): by rank
     return torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, order, taken)
@@ -90,7 +90,7 @@ def mrltopk_draw(k, n_layers, generator=None):
 def batchtopk_mask(scores, k):
     # BatchTopK (Bussmann et al.), training: the top B*T*k entries of the whole batch's scores.
     B, T, N = scores.shape
-    return top_entries(scores.reshape(-1), B * T * k).view(B, T, N)
+    return fast.top_entries(scores.reshape(-1), B * T * k).view(B, T, N)
 
 
 # -----------------------------------------------------------------------------

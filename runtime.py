@@ -6,6 +6,7 @@ import ctypes
 import ctypes.util
 import os
 import platform
+import re
 import shlex
 import signal
 import sys
@@ -91,3 +92,21 @@ def resume_command(world_size, ddp):
     args = [a for a in sys.argv[1:] if not a.startswith(('--init_from=', '--overwrite='))]
     launcher = f"torchrun --standalone --nproc_per_node={world_size}" if ddp else "python"
     return f"{launcher} {shlex.join([sys.argv[0], *args, '--init_from=resume'])}"
+
+
+def on_lost_peer(say, kept):
+    """Under torchrun: when a collective fails because another process of the job died (killed, out
+    of memory, its node preempted), exit with one line instead of a traceback (rank 0 says it, with
+    kept(): what is left and how to resume); torchrun then ends the job and names the process."""
+    default = sys.excepthook
+
+    def hook(kind, error, tb):
+        lost = isinstance(error, dist.DistError) or isinstance(error, RuntimeError) and any(
+            s in str(error) for s in ('closed by peer', 'reset by peer', 'Broken pipe', 'Timed out'))
+        if not lost:
+            return default(kind, error, tb)
+        if say:
+            why = (str(error).strip().splitlines() or [kind.__name__])[0]
+            why = re.sub(r'^\[[^\]]*\]\s*', '', why).split('. ')[0]  # gloo's: no source line, no advice
+            print(f"error: a process of this torchrun job is gone ({why}); {kept()}", file=sys.stderr, flush=True)
+    sys.excepthook = hook

@@ -8,7 +8,8 @@ with every router's paired difference from topk (same seed = same initialisation
     python sweep.py --routers=topk,topk+route_scale=1,seqtopk+balance=bias   # variants: a router and its settings
 
 Finished runs are reused (a run counts as finished when its log.jsonl holds the 'done' record), so
-an interrupted sweep picks up where it stopped. finetune=True pretrains TopK at K=pretrain_k once per
+an interrupted sweep picks up where it stopped: Ctrl-C or SIGTERM stops the runs under way as a
+single run stops (they save), and the same command again resumes them. finetune=True pretrains TopK at K=pretrain_k once per
 seed, fine-tunes that checkpoint with every router at every K, and adds "training-free" rows: the
 TopK checkpoint evaluated with that routing and no training (mrltopk is left out there: its
 evaluation is topk's). dense='active,total' adds dense GPTs (--moe_every=0) trained like the MoE
@@ -21,6 +22,7 @@ Writes out_root/sweep.json (rows, per-run records) and out_root/sweep.csv (rows)
 import csv
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -31,6 +33,7 @@ import numpy as np
 
 from checkpoint import read_log
 from configurator import Rule, configure, each, non_empty, non_negative_int, one_of, positive_int
+from prepare import written
 from router import ROUTERS
 from stats import format_difference, mean_std, paired_difference
 
@@ -57,6 +60,17 @@ RULES = dict(out_root=non_empty, routers=each(one_of(*ROUTERS), convert=lambda i
                         "'' (none), 'active', 'total' or 'active,total'"))
 HERE = os.path.dirname(os.path.abspath(__file__))
 print_lock = threading.Lock()
+running = set()  # the train.py processes under way
+stopping = []    # the signal that stops the sweep, once one came
+
+
+def stop(signum, frame):
+    """SIGTERM / SIGINT: every run under way stops as a single run does (it saves; a rerun resumes
+    it), no new run starts, and the sweep exits once they have."""
+    if not stopping:
+        stopping.append(signal.Signals(signum).name)
+        for proc in list(running):
+            proc.send_signal(signal.SIGTERM)
 
 
 def last_eval(out_dir):
@@ -77,18 +91,28 @@ def model_args(out_dir):
 
 
 def train(out_dir, *args):
-    """Run train.py unless out_dir already holds a finished run; return its final record."""
-    if last_eval(out_dir) is None:
+    """Run train.py unless out_dir already holds a finished run, resuming one that was stopped
+    (its ckpt.pt, no 'done' record); return its final record (None: the sweep is stopping)."""
+    if last_eval(out_dir) is None and not stopping:
+        resume = os.path.exists(os.path.join(out_dir, 'ckpt.pt')) and '--eval_only=True' not in args
+        args = [a for a in args if not (resume and a.startswith('--init_from='))]
         cmd = [sys.executable, os.path.join(HERE, 'train.py'), *train_args.split(), *args,
-               f'--out_dir={out_dir}', '--overwrite=True']
+               f'--out_dir={out_dir}', '--init_from=resume' if resume else '--overwrite=True']
         env = dict(os.environ)
         if jobs > 1:  # share the cores: one run's threads should not contend with the other's
             env['OMP_NUM_THREADS'] = str(max(1, (os.cpu_count() or 1) // jobs))
         with print_lock:
             print('$', ' '.join(cmd[1:]), flush=True)
-        with open(out_dir + '.out', 'w') as log:
-            if subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env).returncode != 0:
-                raise SystemExit(f"error: run failed, see {out_dir}.out")
+        with open(out_dir + '.out', 'a' if resume else 'w') as log:
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                    start_new_session=True)  # Ctrl-C reaches it through stop()
+            running.add(proc)
+            if stopping:  # the signal came while it started
+                proc.send_signal(signal.SIGTERM)
+            proc.wait()
+            running.discard(proc)
+        if proc.returncode != 0 and not stopping:
+            raise SystemExit(f"error: run failed, see {out_dir}.out")
     return last_eval(out_dir)
 
 
@@ -145,6 +169,8 @@ def run_all(runs):
     moe = []  # the MoE runs' futures: a dense run waits for one, to read n_exp and exp_dim
 
     def one(name, args, after):
+        if stopping:
+            return name
         if after == 'moe':
             done, _ = wait(moe, return_when=FIRST_COMPLETED)
             margs = model_args(os.path.join(out_root, next(iter(done)).result()))
@@ -170,6 +196,10 @@ def run_all(runs):
         except BaseException:
             pool.shutdown(cancel_futures=True)  # the runs under way finish; no new one starts
             raise
+    if stopping:
+        done = sum(record is not None for record in finished.values())
+        raise SystemExit(f"{stopping[0]}: stopped the sweep with {done} of {len(runs)} runs finished; the "
+                         f"runs under way saved their checkpoints. Run the same command again to finish it.")
     return finished
 
 
@@ -182,6 +212,8 @@ def main():
     if dense and finetune:
         raise SystemExit("error: dense rows compare pretraining runs (a dense model has no routing to fine-tune)")
     os.makedirs(out_root, exist_ok=True)
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
     start = time.time()
     runs = plan(ks, seed_list, router_list)
     finished = run_all(runs)
@@ -258,11 +290,11 @@ def main():
               + (f"| {format_difference(dict(mean=r['diff_vs_dense'], low=r['diff_dense_low'], high=r['diff_dense_high']))} "
                  if vs_dense else '') +
               f"| {experts} | {trained or ('' if r['router'] != 'dense' else 'dense')} | {r['wall_s']:.0f} |")
-    with open(os.path.join(out_root, 'sweep.json'), 'w') as f:
+    with written(os.path.join(out_root, 'sweep.json')) as tmp, open(tmp, 'w') as f:  # never half-written
         json.dump(dict(rows=rows, runs=records, train_args=train_args, max_iters=max_iters, seeds=seeds,
                        finetune=finetune, pretrain_k=pretrain_k, pretrain_iters=pretrain_iters,
                        finetune_args=finetune_args, dense=dense), f, indent=2)
-    with open(os.path.join(out_root, 'sweep.csv'), 'w', newline='') as f:
+    with written(os.path.join(out_root, 'sweep.csv')) as tmp, open(tmp, 'w', newline='') as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)

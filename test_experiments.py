@@ -188,3 +188,33 @@ def test_the_decoding_figure_is_drawn_from_a_bench_json(tmp_path):
     plot.main([f"--bench={tmp_path / 'bench.json'}", f"--out={tmp_path / 'figures'}"])  # a folder not there yet
     png = tmp_path / 'figures' / 'decoding.png'
     assert png.exists() and png.read_bytes()[:8] == b'\x89PNG\r\n\x1a\n' and png.stat().st_size > 10000
+
+
+def test_an_interrupted_sweep_stops_its_runs_and_the_same_command_resumes_them(workdir):
+    import signal
+    import subprocess
+    import sys
+    import time
+    from conftest import OFFLINE_ENV, REPO
+    args = ['--out_root=stopped', '--routers=topk', '--top_ks=2', '--seeds=1,2', '--max_iters=300', '--jobs=1',
+            f'--train_args={TINY} --n_exp=4 --eval_interval=1000 --log_interval=1']
+    sweep = subprocess.Popen([sys.executable, os.path.join(REPO, 'sweep.py'), *args], cwd=workdir, env=OFFLINE_ENV,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    log = workdir / 'stopped' / 'topk-k2-s1' / 'log.jsonl'
+    deadline = time.time() + 120
+    while not (log.exists() and '"event": "train"' in log.read_text()) and time.time() < deadline:
+        time.sleep(0.1)
+    sweep.send_signal(signal.SIGTERM)
+    out, err = sweep.communicate(timeout=120)
+    assert sweep.returncode != 0 and 'Traceback' not in err, err
+    assert err.strip().splitlines()[-1].startswith('SIGTERM: stopped the sweep with 0 of 2 runs finished')
+    stopped = [json.loads(line) for line in log.read_text().splitlines()]
+    step = stopped[-1]['iter']
+    assert stopped[-1]['event'] == 'stopped' and 0 < step < 300 and (log.parent / 'ckpt.pt').exists()
+    assert not (workdir / 'stopped' / 'sweep.json').exists()
+    again = run('sweep.py', *args, cwd=workdir)
+    assert again.returncode == 0, again.stderr + again.stdout
+    assert '--out_dir=stopped/topk-k2-s1 --init_from=resume' in again.stdout  # resumed, not restarted
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [r['iter'] for r in records if r['event'] == 'train'] == list(range(1, 301))  # no step twice
+    assert json.load(open(workdir / 'stopped' / 'sweep.json'))['rows']

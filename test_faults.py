@@ -153,6 +153,30 @@ def test_torchrun_with_default_accumulation_runs_and_every_rank_stops_at_the_sam
         torch.testing.assert_close(weight, b['model'][name], rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.skipif(not os.path.exists('/proc/self/task'), reason="finds the torchrun workers through /proc")
+def test_a_rank_killed_under_torchrun_ends_the_job_with_one_line_and_the_last_checkpoint_resumes(workdir):
+    common = [TINY, '--eval_interval=2', '--always_save_checkpoint=True', '--log_interval=1', '--device=cpu']
+    proc = subprocess.Popen([sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
+                             os.path.join(REPO, 'train.py'), *common, '--max_iters=100000', '--out_dir=ddp-dead'],
+                            cwd=workdir, env=OFFLINE_ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    output = []
+    for line in proc.stdout:
+        output.append(line)
+        if line.startswith('iter 5:'):
+            os.kill(child_with_rank(proc.pid, 1), signal.SIGKILL)  # the OOM killer, say
+            break
+    output = ''.join(output + proc.stdout.readlines())
+    assert proc.wait(timeout=120) != 0
+    lines = [line for line in output.splitlines() if line.startswith('error: ')]
+    assert len(lines) == 1 and lines[0].startswith('error: a process of this torchrun job is gone ('), output
+    assert 'ddp-dead/ckpt.pt is left as it was (step ' in lines[0] and '--init_from=resume' in lines[0]
+    assert 'train.py", line' not in output  # no traceback from inside the training script
+    saved = torch.load(workdir / 'ddp-dead' / 'ckpt.pt', weights_only=True)['iter_num']
+    resumed = run('train.py', *common, f'--max_iters={saved + 2}', '--init_from=resume', '--out_dir=ddp-dead',
+                  cwd=workdir)
+    assert resumed.returncode == 0 and f'iter {saved + 1}:' in resumed.stdout, resumed.stderr
+
+
 def test_under_torchrun_a_bad_checkpoint_is_said_once(workdir):
     (workdir / 'bad.pt').write_bytes(b'garbage')
     result = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',

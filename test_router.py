@@ -111,7 +111,7 @@ def test_seqtopk_is_deterministic_under_ties():
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_top_entries_is_a_stable_top_n(seed):
+def test_the_fast_top_entries_is_the_stable_top_n(seed):
     from router import top_entries
     g = torch.Generator().manual_seed(seed)
     for values in (torch.randn(3, 50, generator=g), torch.randint(0, 4, (3, 50), generator=g).float()):
@@ -119,6 +119,7 @@ def test_top_entries_is_a_stable_top_n(seed):
             reference = torch.zeros_like(values, dtype=torch.bool)
             reference.scatter_(-1, values.sort(dim=-1, descending=True, stable=True).indices[:, :n], True)
             assert torch.equal(top_entries(values, n), reference)
+            assert torch.equal(fast.top_entries(values, n), reference)
 
 
 def test_seqtopk_on_a_single_token_is_topk():

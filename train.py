@@ -24,8 +24,8 @@ from configurator import (Rule, configure, device_name, fraction, non_empty, non
                           positive, positive_int)
 from model import GPT, GPTConfig
 from router import step_budgets
-from runtime import (StopRequest, agree, autocast_for, join_torchrun, keep_freed_cpu_memory, pick_device,
-                     resume_command)
+from runtime import (StopRequest, agree, autocast_for, join_torchrun, keep_freed_cpu_memory, on_lost_peer,
+                     pick_device, resume_command)
 from stats import (add_counts, done_line, done_summary, eval_line, predictive_entropy, routing_counts,
                    routing_stats, routing_summary, start_line)
 
@@ -200,8 +200,7 @@ if init_from == 'resume':  # a fine-tune starts a fresh optimizer (and warmup) o
     except ValueError as e:
         fail(e)
 run.claim(lock=master_process)  # out_dir, held by this run until it exits (a live run's is refused)
-scaler = torch.amp.GradScaler(enabled=(dtype == 'float16' and device_type == 'cuda'))
-raw_model = model
+scaler, raw_model = torch.amp.GradScaler(enabled=(dtype == 'float16' and device_type == 'cuda')), model
 if compile:
     model = torch.compile(model)
 if ddp:  # buffers (batchtopk threshold, relu lambda) are averaged after every step instead
@@ -210,6 +209,8 @@ cfg = raw_model.config
 routers = raw_model.routers()  # none in a dense GPT (--moe_every=0)
 if master_process:
     print(start_line(raw_model, device, dtype, batch_size, gradient_accumulation_steps, world_size))
+if ddp:  # another process of the job dies (killed, out of memory): one line on rank 0, no traceback
+    on_lost_peer(master_process, lambda: run.kept("see torchrun's summary", resume_command(world_size, ddp)))
 
 
 # -----------------------------------------------------------------------------
@@ -368,9 +369,7 @@ while True:
     iter_num += 1
 
     if iter_num % log_interval == 0 and master_process:
-        now = time.time()
-        ms = (now - t_last) * 1000 / log_interval
-        t_last = now
+        ms, t_last = (time.time() - t_last) * 1000 / log_interval, time.time()
         aux = float(extra['aux_loss'].detach()) if torch.is_tensor(extra['aux_loss']) else 0.0
         print(f"iter {iter_num}: ce {ce.item():.4f}, aux {aux:.4f}, lr {lr:.2e}, {ms:.0f} ms/iter")
         run.log(dict(event='train', iter=iter_num, ce=ce.item(), aux=aux, lr=lr, ms_per_iter=ms))
