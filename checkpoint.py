@@ -24,7 +24,8 @@ from prepare import written
 MODEL_KEYS = [f.name for f in fields(GPTConfig)]  # the settings a checkpoint's model_args hold
 # model settings added since the first checkpoints, with the values that reproduce a checkpoint written
 # before them (the paper's gates: the selected softmax scores, unscaled), and the buffers added with them
-LEGACY_MODEL_ARGS = dict(score_func='softmax', route_scale=1.0, balance='aux', balance_rate=1e-3)
+LEGACY_MODEL_ARGS = dict(score_func='softmax', route_scale=1.0, balance='aux', balance_rate=1e-3,
+                         rope=False)
 # settings that may change on resume or fine-tuning; the rest is architecture
 ROUTING_KEYS = {'router', 'top_k', 'seq_min_k', 'seq_max_k', 'norm_topk_prob', 'aux_loss_weight',
                 'z_loss_weight', 'score_func', 'route_scale', 'balance', 'balance_rate',

@@ -25,6 +25,7 @@ class GPTConfig:
     n_embd: int = 128
     dropout: float = 0.0
     bias: bool = False
+    rope: bool = True          # rotary positions in attention (False: GPT-2's learned positions)
     n_exp: int = 8             # experts per MoE layer
     top_k: int = 2             # experts per token (on average, for sequence-level routers)
     exp_dim: int = 256         # hidden width of each expert
@@ -65,11 +66,14 @@ class CausalSelfAttention(nn.Module):
         self.resid_dropout = nn.Dropout(config.dropout)
         self.n_head = config.n_head
         self.dropout = config.dropout
+        self.rope = config.rope
 
     def forward(self, x, cache=None, pos=None):
         B, T, C = x.shape
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
                    for t in self.c_attn(x).split(C, dim=2))
+        if self.rope:  # q.k then depends on how far back a key is: "look back" is easy to learn
+            q, k = rotate(q, pos), rotate(k, pos)
         if cache is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                                dropout_p=self.dropout if self.training else 0)
@@ -79,6 +83,16 @@ class CausalSelfAttention(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_dropout(self.c_proj(y))
+
+
+def rotate(x, pos, base=10000.0):
+    """RoPE (Su et al., RoFormer): each channel pair i of x (B, nh, T, hs) turned by the angle
+    pos * base^(-2i/hs) of its position pos (T,)."""
+    half = x.shape[-1] // 2
+    angle = pos[:, None] * base ** (-torch.arange(half, device=x.device) / half)  # (T, hs/2)
+    x1, x2 = x.float().unflatten(-1, (half, 2)).unbind(-1)
+    cos, sin = angle.cos(), angle.sin()
+    return torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).flatten(-2).type_as(x)
 
 
 class MLP(nn.Module):
@@ -146,9 +160,11 @@ class GPT(nn.Module):
         config.validate()
         self.config = config
         every = config.moe_every
+        embeddings = dict(wte=nn.Embedding(config.vocab_size, config.n_embd))
+        if not config.rope:  # GPT-2's learned absolute positions
+            embeddings['wpe'] = nn.Embedding(config.block_size, config.n_embd)
         self.transformer = nn.ModuleDict(dict(
-            wte=nn.Embedding(config.vocab_size, config.n_embd),
-            wpe=nn.Embedding(config.block_size, config.n_embd),
+            embeddings,
             drop=nn.Dropout(config.dropout),
             h=nn.ModuleList([Block(config, moe=every > 0 and i % every == every - 1)
                              for i in range(config.n_layer)]),
@@ -172,7 +188,8 @@ class GPT(nn.Module):
 
     def num_params(self, active=False):
         """Parameters without position embeddings; active=True counts top_k of the n_exp experts."""
-        n = sum(p.numel() for p in self.parameters()) - self.transformer.wpe.weight.numel()
+        n = sum(p.numel() for p in self.parameters())
+        n -= 0 if self.config.rope else self.transformer.wpe.weight.numel()
         if active:
             cfg = self.config
             n -= len(self.routers()) * (cfg.n_exp - cfg.top_k) * 2 * cfg.n_embd * cfg.exp_dim
@@ -195,7 +212,8 @@ class GPT(nn.Module):
             moe_ks = step_budgets(self.config, len(routers)) if moe_ks is None else moe_ks
             for router, k in zip(routers, moe_ks, strict=True):
                 router.k = k
-        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # B, T, C
+        x = self.transformer.wte(idx)  # (B, T, C)
+        x = self.transformer.drop(x if self.config.rope else x + self.transformer.wpe(pos))
         aux_loss, routing = 0.0, []
         for i, block in enumerate(self.transformer.h):
             x, layer_aux, layer_routing = block(x, cache.layers[i] if cache else None, online, pos)

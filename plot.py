@@ -5,12 +5,18 @@ The paper's routing figures, from the metrics logs of finished runs (nothing is 
     python plot.py sweeps/cpu/topk-k2-s1 sweeps/cpu/seqtopk-k2-s1 --out=sweeps/cpu
     python plot.py --sweep=sweeps/finetune_cpu/sweep.json # the sweep's figures, next to its sweep.json
     python plot.py --bench=results/bench-cpu.json         # decoding.png: bench.py's decoding speeds
+    python plot.py --curves sweeps/plateau/*-s[0-9]       # train_curves.png: training CE per seed
 
 With --sweep (the sweep.json written by sweep.py):
   paired_difference.png     every router's paired val-CE difference from topk vs K, mean over seeds
                             with the 95% t-interval as error bars; fine-tuned (or pretrained) and
                             training-free panels; dense rows are in the table, not here
 and the routing figures below for the sweep's trained runs at its smallest K, first seed, every router.
+
+With --curves (any runs, dense ones too):
+  train_curves.png          training CE against step, a colour per row (run name without -s<seed>),
+                            a line per seed; prints the step at which each run first logs CE below
+                            --escape (default 2.3: below the bigram plateau, about 2.47 on Shakespeare)
 
 Writes, for the runs given (each an out_dir holding log.jsonl):
   load_variance.png         expert-load coefficient of variation over training (paper Fig. 4a)
@@ -22,6 +28,7 @@ Writes, for the runs given (each an out_dir holding log.jsonl):
 import argparse
 import json
 import os
+import re
 
 import matplotlib
 matplotlib.use('Agg')  # files only, no display
@@ -113,6 +120,35 @@ def plot_all(runs, out):
     return written
 
 
+def train_curve(out_dir):
+    """(steps, training CEs) of a run's log.jsonl, dense or MoE."""
+    path = os.path.join(out_dir, 'log.jsonl')
+    if not os.path.exists(path):
+        raise SystemExit(f"error: no log.jsonl in {out_dir}; give the out_dir of a train.py run")
+    train = [r for r in read_log(path) if r.get('event') == 'train']
+    return [r['iter'] for r in train], [r['ce'] for r in train]
+
+
+def plot_train_curves(dirs, out, escape):
+    """One colour per row (the run's name without -s<seed>), one line per seed; prints each run's
+    first step below `escape`."""
+    fig, ax = figure('Training CE per seed', 'step', 'training cross-entropy (nats)')
+    colours, lines = {}, []
+    for out_dir in sorted(dirs):
+        name = os.path.basename(os.path.normpath(out_dir))
+        row = re.sub(r'-s\d+$', '', name)
+        colour = colours.setdefault(row, f'C{len(colours) % 10}')
+        steps, ce = train_curve(out_dir)
+        ax.plot(steps, ce, color=colour, lw=1, label=row if row not in ax.get_legend_handles_labels()[1]
+                else None)
+        below = next((s for s, c in zip(steps, ce) if c < escape), None)
+        lines.append(f"{name}: below {escape} from step {below if below is not None else 'never'}, "
+                     f"last logged CE {ce[-1]:.4f}" if ce else f"{name}: no training records")
+    ax.axhline(escape, color='gray', ls=':', lw=1)
+    ax.set_ylim(top=3.0)
+    return save(fig, ax, out, 'train_curves.png'), lines
+
+
 def plot_paired_differences(sweep, out):
     """Paired difference from topk vs K, one panel per kind of row (trained, training-free)."""
     rows = [r for r in sweep['rows'] if r['router'] not in ('topk', 'dense') and r['diff_vs_topk'] is not None]
@@ -190,6 +226,8 @@ def main(argv=None):
     parser.add_argument('runs', nargs='*', help="out_dirs of train.py runs")
     parser.add_argument('--sweep', default=None, help="a sweep.json: its paired-difference and routing figures")
     parser.add_argument('--bench', default=None, help="a bench.py JSON: its decoding figure")
+    parser.add_argument('--curves', action='store_true', help="the runs' training CE per seed")
+    parser.add_argument('--escape', type=float, default=2.3, help="--curves: the CE a run's step is found below")
     parser.add_argument('--out', default=None, help="folder for the PNGs (default: the runs' common parent)")
     args = parser.parse_args(argv)
     if args.bench:
@@ -213,6 +251,12 @@ def main(argv=None):
             return
     if not args.runs:
         parser.error("give out_dirs of train.py runs, or --sweep=sweep.json")
+    if args.curves:
+        out = args.out or os.path.commonpath([os.path.abspath(d) for d in args.runs])
+        os.makedirs(out, exist_ok=True)
+        path, lines = plot_train_curves(args.runs, out, args.escape)
+        print('\n'.join(lines) + f"\nwrote {path}")
+        return
     runs = [load_run(d) for d in args.runs]
     # one run: its own folder; several: the folder they share (e.g. the sweep's out_root)
     out = args.out or (args.runs[0] if len(args.runs) == 1 else

@@ -45,6 +45,13 @@ def test_kv_cached_generation_equals_full_recompute(router):
     assert torch.equal(cached, recomputed)
 
 
+def test_with_learned_positions_cached_generation_still_equals_full_recompute():
+    model = trained_tiny('seqtopk', rope=False)  # GPT-2's position embeddings instead of RoPE
+    prompt = torch.randint(0, 16, (2, 5), generator=torch.Generator().manual_seed(1))
+    cached = model.generate(prompt, 25, temperature=0, use_cache=True)
+    assert torch.equal(cached, model.generate(prompt, 25, temperature=0, use_cache=False))
+
+
 def test_causal_routing_in_the_model_ignores_later_tokens():
     model = trained_tiny('seqtopk')
     seq = torch.randint(0, 16, (2, 30), generator=torch.Generator().manual_seed(4))

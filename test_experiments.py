@@ -178,6 +178,20 @@ def test_plots_are_written_from_logs_alone(tmp_path):
         plot.main([str(tmp_path / 'missing')])
 
 
+def test_training_curves_are_drawn_per_seed_with_the_step_each_run_leaves_the_plateau(tmp_path, capsys):
+    import plot
+    for seed, escape in ((1, 30), (2, 60)):
+        path = tmp_path / f'topk-k2-s{seed}'
+        path.mkdir()
+        train = [dict(event='train', iter=it, ce=2.45 if it < escape else 2.0) for it in range(10, 100, 10)]
+        (path / 'log.jsonl').write_text('\n'.join(json.dumps(r) for r in [dict(event='start')] + train) + '\n')
+    plot.main(['--curves', str(tmp_path / 'topk-k2-s1'), str(tmp_path / 'topk-k2-s2'), f"--out={tmp_path}"])
+    out = capsys.readouterr().out
+    assert 'topk-k2-s1: below 2.3 from step 30' in out and 'topk-k2-s2: below 2.3 from step 60' in out
+    png = tmp_path / 'train_curves.png'
+    assert png.exists() and png.read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
+
+
 def test_the_decoding_figure_is_drawn_from_a_bench_json(tmp_path):
     import plot
     decode = [dict(router=r, way=w, new_tokens=512, cached_tok_s=s, recompute_tok_s=12.0)

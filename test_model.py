@@ -8,7 +8,7 @@ import torch
 
 from conftest import counting_batches, needs_cuda, tiny_config, train_step
 from experts import decode_experts, moe_experts
-from model import GPT
+from model import GPT, rotate
 from router import ROUTERS, topk_mask
 
 
@@ -75,6 +75,19 @@ def test_a_float64_model_trains_a_step():
     opt.step()
     assert ce.dtype == torch.float64 and torch.isfinite(ce)
     assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters()) if a.dim() >= 2)
+
+
+def test_with_rope_a_query_s_score_for_a_key_depends_only_on_how_far_back_the_key_is():
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(1, 1, 1, 16, generator=g), torch.randn(1, 1, 1, 16, generator=g)  # (B, nh, T, hs)
+
+    def score(i, j):  # query at position i, key at position j
+        return (rotate(q, torch.tensor([i])) * rotate(k, torch.tensor([j]))).sum().item()
+
+    assert score(5, 3) == pytest.approx(score(2, 0), abs=1e-5) == pytest.approx(score(105, 103), abs=1e-4)
+    assert score(5, 3) != pytest.approx(score(5, 4), abs=1e-3)  # another distance, another score
+    assert torch.equal(rotate(q, torch.tensor([0])), q)  # position 0 is not turned
+    assert torch.linalg.norm(rotate(q, torch.tensor([7]))) == pytest.approx(torch.linalg.norm(q).item())
 
 
 def test_an_expert_width_the_grouped_kernel_cannot_take_falls_back_to_a_matmul_per_expert():

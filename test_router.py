@@ -287,10 +287,10 @@ def test_relu_loss_is_lambda_times_remoe_regulariser_alone():
 
 def layer_inputs(model, x):
     """The normalised input of every block's FFN (what its router sees)."""
-    h = model.transformer.wte(x) + model.transformer.wpe(torch.arange(x.shape[1]))
+    h, pos = model.transformer.wte(x), torch.arange(x.shape[1])  # RoPE: positions in attention
     inputs = []
     for block in model.transformer.h:
-        h = h + block.attn(block.ln_1(h))
+        h = h + block.attn(block.ln_1(h), pos=pos)
         inputs.append(block.ln_2(h))
         h = h + block.ffn(block.ln_2(h))[0]
     return inputs
@@ -461,3 +461,16 @@ def test_each_router_keeps_only_its_own_state_and_loads_another_router_s_checkpo
             assert torch.equal(model.lm_head.weight, topk['lm_head.weight'])
             if name == 'relu':
                 assert model.routers()[0].l1_coef.item() == pytest.approx(0.5 if state is older else 1e-8)
+
+
+def test_a_checkpoint_written_before_rope_loads_with_its_learned_positions(tmp_path):
+    from checkpoint import load, load_weights
+    from model import GPTConfig
+    old = GPT(tiny_config('seqtopk', rope=False))
+    model_args = {k: v for k, v in vars(old.config).items() if k != 'rope'}  # as written before RoPE
+    torch.save(dict(model=old.state_dict(), model_args=model_args), tmp_path / 'ckpt.pt')
+    ckpt = load(str(tmp_path / 'ckpt.pt'), ('model', 'model_args'))
+    model = GPT(GPTConfig(**ckpt['model_args']))
+    load_weights(model, ckpt, 'ckpt.pt')
+    x = torch.randint(0, 16, (2, 16), generator=torch.Generator().manual_seed(0))
+    assert not model.config.rope and torch.equal(model(x)[0], old(x)[0])

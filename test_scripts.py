@@ -223,6 +223,14 @@ def test_train_then_sample_produces_text(workdir):
                   '--color=True', '--dtype=bfloat16', cwd=workdir)  # and under bf16 autocast, as on a GPU
     assert colored.returncode == 0, colored.stderr
     assert '\033[48;5;' in colored.stdout  # tokens coloured by expert count
+    # a checkpoint evaluated alone, at any step, on the same val batches whatever the seed
+    ces = []
+    for seed in (1, 2):
+        result = run('train.py', f'--out_dir={out}', '--init_from=resume', '--eval_only=True', '--eval_interval=7',
+                     '--eval_iters=2', f'--seed={seed}', cwd=workdir)
+        assert result.returncode == 0, result.stderr
+        ces.append(result.stdout.split('val ce ')[1].split()[0].rstrip(','))
+    assert ces[0] == ces[1]
     # a prompt longer than the context is one clear line, not a traceback
     result = run('sample.py', f'--out_dir={out}', '--start=' + 'a' * 100, cwd=workdir)
     assert result.returncode != 0 and 'longer than the model' in result.stderr and 'Traceback' not in result.stderr

@@ -50,6 +50,7 @@ n_head = 4
 n_embd = 128
 dropout = 0.0
 bias = False
+rope = True                     # rotary positions in attention (False: GPT-2's learned position embeddings)
 n_exp = 8
 top_k = 2
 exp_dim = 128
@@ -183,6 +184,7 @@ if source is not None:  # resume a run, or fine-tune (a new run) from another ru
     except ValueError as e:
         fail(e)
     model_config(model_args)
+    block_size = model_args['block_size']  # the batches fit the checkpoint's context
     if init_from == 'resume':
         iter_num = run.saved_iter = checkpoint['iter_num']
         best_val_loss = checkpoint['best_val_loss']
@@ -219,7 +221,7 @@ if ddp:  # another process of the job dies (killed, out of memory): one line on 
 def evaluate(split, online=None, entropy_bins=10):
     """Mean cross-entropy and aux loss over eval_iters fixed batches of a split, and the routing
     counts the plots need (stats.routing_counts)."""
-    gen = torch.Generator().manual_seed(seed + (split == 'val'))  # the same batches at every eval
+    gen = torch.Generator().manual_seed(int(split == 'val'))  # the same batches at every eval, any seed
     ce, aux, counts = [], [], None
     for _ in range(eval_iters):
         X, Y = get_batch(split, gen)
@@ -298,8 +300,7 @@ if init_from != 'resume' and not eval_only and master_process:
         stop(run.error, 'free some space')
 stop_request = StopRequest()
 if eval_only and any(r.needs_calibration() for r in routers):
-    # e.g. batchtopk on a checkpoint never trained with it has no threshold (<= 0 passes every expert): set
-    # it as training does, from eval_iters training batches in training mode, without a gradient step
+    # e.g. batchtopk on a checkpoint not trained with it: its threshold set from training batches, no step
     calibration = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for _ in range(eval_iters):
@@ -316,7 +317,7 @@ while True:
     for group in optimizer.param_groups:
         group['lr'] = lr
 
-    evaluating = iter_num % eval_interval == 0 or iter_num >= max_iters
+    evaluating = iter_num % eval_interval == 0 or iter_num >= max_iters or eval_only
     if evaluating:
         check_weights(iter_num)
     if evaluating and master_process:
