@@ -1,8 +1,7 @@
 """
 What a generation carries from step to step: per layer the KV cache and, in MoE layers, the Expert
 Cache (Eq. 6: the router scores of the tokens so far, for online SeqTopK). Static, as in gpt-fast:
-each buffer holds block_size tokens, written in place at the position counted on the device, so a
-decoding step's shapes never change (one compiled graph).
+buffers of block_size tokens, written in place at a position counted on the device: one graph.
 """
 import torch
 

@@ -14,8 +14,7 @@ import fast
 
 def expert_loop(x, w, offs):
     """Each expert's rows of x (P, C) times its matrix of w (N, C, H) -> (P, H); offs (N,): where
-    each expert's rows end. The plain definition, a matmul per expert; fast.grouped_mm is the same
-    in one kernel, which torch.compile can trace."""
+    each expert's rows end. A matmul per expert; fast.grouped_mm does the same in one kernel."""
     rows = offs.diff(prepend=offs.new_zeros(1)).tolist()  # each expert's row count: a host sync
     return torch.cat([x_e @ w_e for x_e, w_e in zip(x.split(rows), w)])
 
@@ -26,10 +25,8 @@ def moe_experts(x, mask, gates, w_fc, w_proj, n_pairs=None, kernel=True):
     kernel: fast.grouped_mm (torch._grouped_mm where it runs), else expert_loop."""
     M, N = mask.shape
     selected = mask.t().reshape(-1)  # (N * M,): expert 0's tokens first, then expert 1's, ...
-    if n_pairs is None:
-        pair = selected.nonzero().squeeze(1)  # (P,)
-    else:
-        pair = torch.nonzero_static(selected, size=n_pairs).squeeze(1)
+    pair = (selected.nonzero() if n_pairs is None  # (P,)
+            else torch.nonzero_static(selected, size=n_pairs)).squeeze(1)
     token = pair % M  # (P,)
     gate = gates.t().reshape(-1).index_select(0, pair)  # (P,)
     offs = mask.sum(0).cumsum(0).to(torch.int32)  # (N,): where each expert's rows end
@@ -48,10 +45,9 @@ def slot_pairs(mask, gates, slots):
 
 
 def decode_experts(x, mask, gates, w_fc, w_proj, slots):
-    """x (M, C), mask and gates (M, N) -> (M, C) for a few tokens, each running `slots` pairs (the
-    router's bound on its experts): no shape depends on the data, so a step compiles to one graph
-    and never waits on a GPU. The matrices are cast to x's dtype after the gather: a bf16 step
-    reads only the experts it uses."""
+    """x (M, C), mask and gates (M, N) -> (M, C), each token running `slots` pairs (the router's
+    bound): no shape depends on the data (one compiled graph, no GPU sync). The matrices are cast
+    after the gather: a bf16 step reads only the experts it uses."""
     expert, gate = slot_pairs(mask, gates, slots)  # (M, slots) each
     token = torch.arange(x.shape[0], device=x.device).repeat_interleave(slots)  # (P,)
     expert, gate = expert.flatten(), gate.flatten()  # (P,)

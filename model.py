@@ -1,7 +1,7 @@
 """
-A nanoGPT-style GPT whose feed-forward layers are Mixture-of-Experts layers: config, attention,
-MLP, MoE, block, GPT and generate. Routers: router.py; experts: experts.py; the KV and Expert
-Cache a generation carries: cache.py. Shapes: B batch, T tokens, C n_embd, N experts.
+A nanoGPT-style GPT whose feed-forward layers are Mixture-of-Experts layers: config, attention
+(with RoPE), MLP, MoE, block, GPT and generate. Routers: router.py; experts: experts.py; the KV and
+Expert Cache a generation carries: cache.py. Shapes: B batch, T tokens, C n_embd, N experts.
 """
 import math
 from dataclasses import asdict, dataclass
@@ -86,8 +86,7 @@ class CausalSelfAttention(nn.Module):
 
 
 def rotate(x, pos, base=10000.0):
-    """RoPE (Su et al., RoFormer): each channel pair i of x (B, nh, T, hs) turned by the angle
-    pos * base^(-2i/hs) of its position pos (T,)."""
+    """RoPE (RoFormer): channel pair i of x (B, nh, T, hs) turned by pos * base^(-2i/hs)."""
     half = x.shape[-1] // 2
     angle = pos[:, None] * base ** (-torch.arange(half, device=x.device) / half)  # (T, hs/2)
     x1, x2 = x.float().unflatten(-1, (half, 2)).unbind(-1)
@@ -188,8 +187,7 @@ class GPT(nn.Module):
 
     def num_params(self, active=False):
         """Parameters without position embeddings; active=True counts top_k of the n_exp experts."""
-        n = sum(p.numel() for p in self.parameters())
-        n -= 0 if self.config.rope else self.transformer.wpe.weight.numel()
+        n = sum(p.numel() for name, p in self.named_parameters() if not name.endswith('wpe.weight'))
         if active:
             cfg = self.config
             n -= len(self.routers()) * (cfg.n_exp - cfg.top_k) * 2 * cfg.n_embd * cfg.exp_dim
@@ -230,8 +228,7 @@ class GPT(nn.Module):
         return logits, loss, aux
 
     def after_step(self):  # once per optimizer step: the routers' step rule (e.g. relu's lambda)
-        routers = self.routers()
-        if routers:
+        if routers := self.routers():
             routers[0].step(routers)
 
     def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
@@ -249,10 +246,9 @@ class GPT(nn.Module):
     def generate(self, idx, max_new_tokens, temperature=1.0, sample_top_k=None, use_cache=True,
                  prompt_routing='online', on_step=None, step=None):
         """Sample max_new_tokens after idx (B, T), with a Cache (KV + Expert Cache) or recomputing
-        the context each step: the same tokens. prompt_routing: 'online' (token by token, as
-        decoding) or 'joint' (one sequence, as the paper's code). on_step(routing) sees each step.
-        step: the decoding step (fast.compiled_step compiles one). Once the context is full, the
-        Cache starts again from its last block_size // 2 tokens."""
+        the context each step: the same tokens. prompt_routing: 'online' (token by token) or 'joint'
+        (one sequence, as the paper's code); on_step(routing) sees each step; step: the decoding
+        step (fast.compiled_step compiles one). A full context restarts from its last half."""
         block_size = self.config.block_size
         if prompt_routing not in ('online', 'joint'):
             raise ValueError(f"prompt_routing must be 'online' or 'joint', got '{prompt_routing}'")

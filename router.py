@@ -24,8 +24,7 @@ def top_entries(values, n):
 
 
 def seqtopk_bounds(k, n_exp, min_k=1, max_k=None):
-    """The per-token bounds (min_k, max_k), by default the paper's (1, k + 2); they must contain
-    k, so that a sequence can spend exactly T*k."""
+    """The per-token bounds (min_k, max_k), by default the paper's (1, k + 2), containing k."""
     max_k = min(k + 2 if max_k is None else max_k, n_exp)  # max_k >= n_exp: no upper bound
     if not 1 <= k <= n_exp:
         raise ValueError(f"--top_k={k} must be between 1 and --n_exp={n_exp}")
@@ -155,8 +154,7 @@ class Router(nn.Module):
         return topk_mask(scores, self.budget())
 
     def pairs(self, n_tokens, online):
-        """(token, expert) pairs the selection of n_tokens makes, when known before it runs (else
-        None): then no shape depends on the data and nothing waits on the device."""
+        """(token, expert) pairs of n_tokens when known in advance (None: counted, a host sync)."""
         return n_tokens * self.budget()
 
     def slots(self):  # the most experts one token takes in a decoding step (None: no bound)
@@ -272,9 +270,8 @@ class BatchTopK(Router):
 
 
 class ReLU(Router):
-    """ReMoE: gates = ReLU(logits), steered to top_k active experts per token on average by an L1
-    penalty whose coefficient lambda adapts every step. Buffers: the logit at which this layer's
-    gates open (0 = ReMoE), lambda, and the active fractions measured since the last step."""
+    """ReMoE: gates = ReLU(logits), steered to top_k experts per token on average by an L1 penalty
+    with adaptive lambda. Buffers: the opening logit (0 = ReMoE), lambda, the active fractions."""
 
     def __init__(self, config):
         super().__init__(config)
@@ -315,9 +312,8 @@ class ReLU(Router):
     @classmethod
     @torch.no_grad()
     def step(cls, routers):
-        """Once per optimizer step, from the active fractions measured since the last (then
-        cleared): lambda from each layer's own (relu_l1_per_layer=False, ReMoE: from their mean, one
-        lambda), and each layer's threshold from its own. Nothing measured: nothing changes."""
+        """Once per step, from the active fractions since the last (then cleared): each layer's
+        lambda (relu_l1_per_layer=False: one, from their mean, as ReMoE) and threshold."""
         cfg = routers[0].config
         target = cfg.top_k / cfg.n_exp
         for group in [[r] for r in routers] if cfg.relu_l1_per_layer else [routers]:
