@@ -166,5 +166,5 @@ def mean_std(values):
     values = [v for v in values if v is not None]
     if not values:
         return '', None
-    return (f"{np.mean(values):.4f} ± {np.std(values):.4f}" if len(values) > 1 else f"{values[0]:.4f}"), \
+    return (f"{np.mean(values):.4f} ± {np.std(values, ddof=1):.4f}" if len(values) > 1 else f"{values[0]:.4f}"), \
         float(np.mean(values))

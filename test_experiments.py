@@ -33,6 +33,11 @@ def test_paired_difference_matches_a_hand_computation():
     assert d['high'] - d['low'] == pytest.approx(0.2484, abs=1e-3)
 
 
+def test_a_row_gives_the_mean_and_the_sample_standard_deviation_over_its_seeds():
+    from stats import mean_std
+    assert mean_std([1.0, 2.0, 3.0]) == ('2.0000 ± 1.0000', 2.0) and mean_std([1.5]) == ('1.5000', 1.5)
+
+
 def test_one_seed_gives_a_difference_and_no_interval():
     from stats import format_difference, paired_difference
     d = paired_difference({1: 1.2}, {1: 1.0})
