@@ -1,7 +1,8 @@
-# The paper's Table 1 protocol at toy scale on 2 CPU cores, 3 seeds; about 25 minutes on the 2-core
-# machine (measured: results/README.md). Per seed: pretrain TopK at K=8 (1000 steps), then fine-tune it for 200
-# steps (the paper's budget) with topk, mrltopk, batchtopk and seqtopk at K = 8, 4, 2, plus the
-# training-free rows: the TopK checkpoint evaluated with each routing at each K. Same val batches.
+# The paper's Table 1 protocol at toy scale on 2 CPU cores, 3 seeds; about 35 minutes on the
+# 2-core machine (measured: results/README.md). Per seed: pretrain TopK at K=8 (1000 steps), then
+# fine-tune it for 200 steps (the paper's budget) with topk, mrltopk, batchtopk and seqtopk at
+# K = 8, 4, 2, plus the training-free rows: the TopK checkpoint evaluated with each routing at each
+# K. Same val batches.
 # python sweep.py config/sweep_finetune_cpu.py
 out_root = 'sweeps/finetune_rope_cpu'
 routers = 'topk,mrltopk,batchtopk,seqtopk'
