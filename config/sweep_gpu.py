@@ -1,15 +1,19 @@
-# A larger sweep for one GPU: TinyStories (GPT-2 BPE), 64 experts, K = 8, 4, 2,
-# three seeds, every router (router.ROUTERS, topk first) and the dense rows. Prepare the data once
-# (it needs the network, or the dataset in the local `datasets` cache):
-#   python prepare.py --dataset=roneneldan/TinyStories
-#   python sweep.py config/sweep_gpu.py
-import router as _router  # noqa: E402 (names starting with _ are not settings)
+# A sweep for one GPU that answers in minutes, on data that travels with the repository: GPT-2 BPE
+# Shakespeare (python prepare.py --tokenizer=gpt2; 1.31 M train tokens), topk and seqtopk at
+# K = 8, 4, 2 beside the dense FFN with their active and total parameters, 3 seeds, bf16 (the
+# default on such a GPU) and compiled. 6 layers, 256 wide, 64 experts of width 32: about 8x the
+# non-embedding parameters of sweep_cpu.py's model. 640 steps of 16 x 256 tokens are two passes
+# over the text; four evaluations on the same val batches show whether a run still improves at
+# its end.
+# Not yet run on a GPU: from the H100 step times in results/README.md, 5 to 10 minutes on one.
+# python sweep.py config/sweep_gpu.py
 out_root = 'sweeps/gpu'
-routers = ','.join(_router.ROUTERS)
+routers = 'topk,seqtopk'
 top_ks = '8,4,2'
 seeds = '1,2,3'
-max_iters = 5000
+max_iters = 640
 dense = 'active,total'
-train_args = ('--dataset=tinystories --n_layer=8 --n_head=8 --n_embd=512 --n_exp=64 --exp_dim=256 '
-              '--block_size=512 --batch_size=32 --eval_interval=500 --eval_iters=50 --learning_rate=6e-4 '
-              '--min_lr=6e-5 --compile=True')
+jobs = 4  # small compiled runs leave a GPU idle between kernels: four at once fill it
+train_args = ('--dataset=shakespeare --n_layer=6 --n_head=8 --n_embd=256 --n_exp=64 '
+              '--exp_dim=32 --block_size=256 --batch_size=16 --learning_rate=1e-3 --min_lr=1e-4 '
+              '--warmup_iters=60 --eval_interval=160 --eval_iters=40 --compile=True')
