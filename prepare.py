@@ -84,11 +84,11 @@ def load_splits(name, text_column, val_fraction, seed=2357):
     local = os.path.exists(name)
     if not local and (name.startswith(('.', '/')) or os.path.splitext(name)[1] in LOCAL_FORMATS):
         sys.exit(f"error: --dataset={name}: no such file or folder")
+    if find_spec('datasets') is None:
+        sys.exit("error: --dataset needs the package 'datasets': pip install -r requirements.txt")
     if not local and not offline and not hub_reachable():
         os.environ['HF_DATASETS_OFFLINE'] = '1'  # no network: a dataset already in the local cache still loads
         offline = True
-    if find_spec('datasets') is None:
-        sys.exit("error: --dataset needs the package 'datasets': pip install -r requirements.txt")
     from datasets import Dataset, load_dataset, load_from_disk
     try:
         if not local:
