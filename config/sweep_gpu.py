@@ -1,7 +1,7 @@
 # A sweep for one GPU that answers in minutes, on data that travels with the repository: GPT-2 BPE
 # Shakespeare (python prepare.py --tokenizer=gpt2; 1.31 M train tokens), topk and seqtopk at
 # K = 8, 4, 2 beside the dense FFN with their active and total parameters, 3 seeds, bf16 (the
-# default on such a GPU) and compiled. 6 layers, 256 wide, 64 experts of width 32: about 8x the
+# default on such a GPU) and compiled. 6 layers, 256 wide, 64 experts of width 32: about 6x the
 # non-embedding parameters of sweep_cpu.py's model. 640 steps of 16 x 256 tokens are two passes
 # over the text; four evaluations on the same val batches show whether a run still improves at
 # its end.
