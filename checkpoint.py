@@ -30,7 +30,8 @@ LEGACY_MODEL_ARGS = dict(score_func='softmax', route_scale=1.0, balance='aux', b
 ROUTING_KEYS = {'router', 'top_k', 'seq_min_k', 'seq_max_k', 'norm_topk_prob', 'aux_loss_weight',
                 'z_loss_weight', 'score_func', 'route_scale', 'balance', 'balance_rate',
                 'threshold_decay', 'relu_l1_init', 'relu_l1_step', 'relu_l1_per_layer',
-                'relu_threshold_step', 'moe_impl', 'dropout', 'seq_causal', 'seq_budget'}
+                'relu_threshold_step', 'moe_impl', 'dropout', 'seq_causal', 'seq_budget',
+                'window_floor'}
 # a router's state buffers: each router keeps its own, so a checkpoint of another router (or one
 # from before routers kept only theirs) has others; a router starts those it lacks afresh
 ROUTER_STATE = tuple(f'.router.{name}' for name in (

@@ -148,8 +148,8 @@ MODEL_RULES = dict(
     n_embd=positive_int, dropout=fraction, n_exp=positive_int, top_k=positive_int,
     exp_dim=positive_int, moe_every=non_negative_int, mlp_dim=non_negative_int,
     seq_min_k=non_negative_int, seq_max_k=non_negative_int, aux_loss_weight=non_negative,
-    z_loss_weight=non_negative, threshold_decay=fraction, score_func=one_of('softmax', 'sigmoid'),
+    z_loss_weight=non_negative, threshold_decay=fraction, score_func=one_of('softmax', 'sigmoid', 'relu'),
     route_scale=non_negative, balance=one_of('aux', 'bias', 'none'), balance_rate=positive,
     relu_l1_init=positive, relu_l1_step=above(1), relu_threshold_step=non_negative,
-    moe_impl=one_of('grouped', 'loop'), seq_budget=one_of('plain', 'strict'),
+    moe_impl=one_of('grouped', 'loop'), seq_budget=one_of('plain', 'strict'), window_floor=positive_int,
     router=Rule(lambda v: v in ROUTERS, 'one of ' + ', '.join(ROUTERS)))  # ROUTERS when checked

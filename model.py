@@ -34,7 +34,7 @@ class GPTConfig:
     router: str = 'topk'       # a key of router.ROUTERS
     seq_min_k: int = 1         # seqtopk: per-token lower bound
     seq_max_k: int = 0         # seqtopk: per-token upper bound (0 = top_k + 2, n_exp = none)
-    score_func: str = 'softmax'  # router scores: 'softmax' or 'sigmoid' (each expert on its own)
+    score_func: str = 'softmax'  # router scores: 'softmax', 'sigmoid' or 'relu' (ReMoE's gates)
     route_scale: float = 0.0   # gates = route_scale x selected scores (0: each gate ~1 at init)
     norm_topk_prob: bool = False  # renormalise a token's selected scores to sum to 1 first
     balance: str = 'aux'       # 'aux' (Switch loss), 'bias' (loss-free bias on the choice), 'none'
@@ -49,6 +49,7 @@ class GPTConfig:
     moe_impl: str = 'grouped'  # 'grouped' (torch._grouped_mm where it runs), 'loop' (per expert)
     seq_causal: bool = False   # seqtopk: route every position by the online rule, as decoding does
     seq_budget: str = 'plain'  # online seqtopk: 'plain' (the paper), 'strict' (no prefix overspend)
+    window_floor: int = 1      # windowtopk: each token's own top experts added (the authors' code)
 
     def validate(self):
         """ValueError in the command line's words ("--top_k=9 must be at most --n_exp=8")."""

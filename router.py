@@ -86,6 +86,18 @@ def mrltopk_draw(k, n_layers, generator=None):
     return [mrltopk_budgets(k)[i] for i in draws.tolist()]  # plain ints: static shapes
 
 
+def windowtopk_mask(scores, k, floor=1):
+    # SeqTopK as the paper's pretraining code selects (ReMoE-ts, moe_utils.py,
+    # sp_topk_softmax_with_capacity): Megatron's sequence-first scores (T, B, N), flattened to rows
+    # t*B + b and viewed as B "sequences" of T rows, so each window holds T/B consecutive positions
+    # of all B sequences; the window's top T*k entries, then each token's own top `floor` added,
+    # no upper bound (a layer can spend more than T*k).
+    B, T, N = scores.shape
+    windows = scores.transpose(0, 1).reshape(B, T * N)  # (B windows, T*N), sequence-first rows
+    mask = fast.top_entries(windows, T * k).view(T, B, N).transpose(0, 1).contiguous()  # (B, T, N)
+    return mask | topk_mask(scores, floor)
+
+
 def batchtopk_mask(scores, k):
     # BatchTopK (Bussmann et al.), training: the top B*T*k entries of the whole batch's scores.
     B, T, N = scores.shape
@@ -120,6 +132,7 @@ class Router(nn.Module):
     auxiliary loss. config: n_embd, n_exp, top_k, score_func, route_scale, norm_topk_prob,
     balance (aux: Switch loss; bias: DeepSeek-V3's loss-free bias), and the router's own."""
     online = False  # it has an online rule, for a token that may see only the tokens before it
+    per_step_k = True  # in training it routes with the k train.py gives each step (draw, k_schedule)
 
     def __init__(self, config):
         super().__init__()
@@ -128,8 +141,8 @@ class Router(nn.Module):
         self.gate = nn.Linear(config.n_embd, config.n_exp, bias=False)
         # route_scale=0: each selected gate ~1 at init, when the scores are near uniform, so the
         # MoE output starts on a dense FFN's scale (results/README.md, "The gate scale")
-        near_uniform = config.top_k if config.norm_topk_prob else (
-            config.n_exp if config.score_func == 'softmax' else 2)
+        near_uniform = config.top_k if config.norm_topk_prob else dict(
+            softmax=config.n_exp, sigmoid=2, relu=1)[config.score_func]  # relu: ReMoE's gates
         self.route_scale = config.route_scale or near_uniform
         self.k = config.top_k  # experts per token in this training step (mrltopk draws it)
         if config.balance == 'bias':  # a bias on the choice (never the gates), and its load
@@ -169,7 +182,8 @@ class Router(nn.Module):
         cfg = self.config
         with torch.autocast(device_type=x.device.type, enabled=False):  # fp32: near-ties rank alike
             logits = F.linear(x.float(), self.gate.weight.float())  # (B, T, N)
-        scores = logits.softmax(dim=-1) if cfg.score_func == 'softmax' else logits.sigmoid()
+        scores = (logits.softmax(dim=-1) if cfg.score_func == 'softmax' else
+                  logits.sigmoid() if cfg.score_func == 'sigmoid' else logits.relu())
         mask, gates = self.route(logits, scores, cache, online)
         aux_loss = 0.0 if cache is not None else self.aux_loss(logits, scores, mask, gates)
         return mask, gates, scores, aux_loss
@@ -184,11 +198,12 @@ class Router(nn.Module):
 
     def aux_loss(self, logits, scores, mask, gates):
         """The router z-loss, plus with balance='aux' the Switch balance loss (on the scores
-        normalised per token, for sigmoid scores)."""
+        normalised per token, for sigmoid and relu scores)."""
         cfg = self.config
         loss = cfg.z_loss_weight * logits.logsumexp(dim=-1).square().mean()
         if cfg.balance == 'aux':
-            probs = scores if cfg.score_func == 'softmax' else scores / scores.sum(-1, keepdim=True)
+            probs = scores if cfg.score_func == 'softmax' else (
+                scores / scores.sum(-1, keepdim=True).clamp_min(1e-9))  # relu: a row may be all 0
             loss = cfg.aux_loss_weight * switch_balance(probs, mask, self.budget()) + loss
         return loss
 
@@ -212,6 +227,7 @@ class SeqTopK(Router):
     """Offline SeqTopK in training; online (causal evaluation, decoding), the online rule, each
     token against the ones before it, kept in the Expert Cache while decoding."""
     online = True
+    per_step_k = False
 
     @classmethod
     def check(cls, config):
@@ -241,9 +257,33 @@ class SeqTopK(Router):
         return self.bounds(self.config)[1]
 
 
+class WindowTopK(Router):
+    """The paper's pretraining code's SeqTopK (windowtopk_mask): windows across the batch's
+    sequences, each token's top window_floor added to the window's T*k, no cap; the same in
+    evaluation and decoding (no online rule)."""
+    per_step_k = False
+
+    @classmethod
+    def check(cls, config):
+        super().check(config)
+        if not config.window_floor <= config.n_exp:
+            raise ValueError(f"--window_floor={config.window_floor} must be at most "
+                             f"--n_exp={config.n_exp}")
+
+    def select(self, scores, cache, online):
+        return windowtopk_mask(scores, self.config.top_k, self.config.window_floor)
+
+    def pairs(self, n_tokens, online):
+        return None
+
+    def slots(self):
+        return None
+
+
 class BatchTopK(Router):
     """Training: the batch's top B*T*k, the threshold following the smallest selected score (an
     EMA); evaluation and decoding: that threshold, so a sequence never depends on the batch."""
+    per_step_k = False
 
     def __init__(self, config):
         super().__init__(config)
@@ -272,6 +312,7 @@ class BatchTopK(Router):
 class ReLU(Router):
     """ReMoE: gates = ReLU(logits), steered to top_k experts per token on average by an L1 penalty
     with adaptive lambda. Buffers: the opening logit (0 = ReMoE), lambda, the active fractions."""
+    per_step_k = False
 
     def __init__(self, config):
         super().__init__(config)
@@ -337,7 +378,8 @@ class ReLU(Router):
 
 
 # Adding a router: its selection as a function above, a class changing what differs, a row here.
-ROUTERS = dict(topk=Router, mrltopk=MRLTopK, seqtopk=SeqTopK, batchtopk=BatchTopK, relu=ReLU)
+ROUTERS = dict(topk=Router, mrltopk=MRLTopK, seqtopk=SeqTopK, batchtopk=BatchTopK, relu=ReLU,
+               windowtopk=WindowTopK)
 
 
 def step_budgets(cfg, n_layers, generator=None):

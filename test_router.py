@@ -13,7 +13,7 @@ from conftest import counting_batches, random_scores, tiny_config, train_tiny
 from model import GPT, GPTConfig
 import fast
 from router import (ROUTERS, Router, expert_cache_rows, mrltopk_budgets, mrltopk_draw,
-                    online_seqtopk_mask, seqtopk_mask, switch_balance, topk_mask)
+                    online_seqtopk_mask, seqtopk_mask, switch_balance, top_entries, topk_mask)
 
 
 # -----------------------------------------------------------------------------
@@ -231,6 +231,48 @@ def test_batchtopk_takes_the_top_B_T_k_entries_of_the_batch():
     assert mask.sum() == 4 * 9 * 2
     assert scores[mask].min() >= scores[~mask].max()
     assert mask.sum(-1).max() > 2  # unlike topk, tokens compete across the whole batch
+
+
+def test_windowtopk_on_one_sequence_is_seqtopk_without_bounds_plus_each_token_s_floor():
+    from router import windowtopk_mask
+    for floor in (1, 2):
+        scores = random_scores(1, 16, 8, seed=floor)
+        want = seqtopk_mask(scores, 2, min_k=0, max_k=8) | topk_mask(scores, floor)
+        assert torch.equal(windowtopk_mask(scores, 2, floor), want)
+
+
+def test_windowtopk_ranks_windows_of_positions_across_the_batch_as_megatron_lays_them_out():
+    from router import windowtopk_mask
+    B, T, N, k = 4, 8, 8, 2
+    scores = random_scores(B, T, N, seed=3)
+    mask = windowtopk_mask(scores, k, floor=1)
+    # Megatron's logits are (T, B, N); the authors' code flattens them (rows t*B + b) and views the
+    # rows as B "sequences" of T: window w is positions [w*T/B, (w+1)*T/B) of every sequence
+    for w in range(B):
+        positions = slice(w * T // B, (w + 1) * T // B)
+        window = scores[:, positions]  # (B, T/B, N)
+        top = top_entries(window.transpose(0, 1).reshape(-1), T * k).view(T // B, B, N)
+        assert torch.equal(mask[:, positions], top.transpose(0, 1) | topk_mask(window, 1))
+        assert mask[:, positions].sum() >= T * k  # the floor only adds
+    # so one sequence of high scores takes most of each window: its neighbours keep their floor
+    skewed = scores.clone()
+    skewed[0] *= 10
+    counts = windowtopk_mask(skewed, k).sum(dim=(1, 2))
+    assert counts[0] > T * k and (counts[1:] < T * k).all()
+    assert (windowtopk_mask(skewed, k).sum(-1) >= 1).all()  # nobody below the floor, no cap
+
+
+def test_relu_scores_make_the_gates_remoe_s_relu_of_the_logits_on_any_selection():
+    x = torch.randn(2, 12, 32, generator=torch.Generator().manual_seed(0))
+    for name in ('topk', 'seqtopk'):
+        router = ROUTERS[name](tiny_config(name, score_func='relu'))
+        mask, gates, scores, aux = router(x)
+        assert router.route_scale == 1  # auto: ReMoE's gates, unscaled
+        torch.testing.assert_close(gates, (x @ router.gate.weight.t()).relu() * mask)
+        assert torch.isfinite(aux)
+    zeros = ROUTERS['topk'](tiny_config('topk', score_func='relu'))
+    torch.nn.init.constant_(zeros.gate.weight, -1.0)  # every logit < 0: every score 0
+    assert torch.isfinite(zeros(x.abs())[3])  # the balance loss normalises no all-zero row into NaN
 
 
 def test_batchtopk_evaluation_does_not_depend_on_the_rest_of_the_batch():

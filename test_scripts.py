@@ -13,7 +13,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import OFFLINE_ENV, REPO, exit_message, one_error_line, run
+from conftest import OFFLINE_ENV, REPO, TINY, exit_message, one_error_line, run
 
 # -----------------------------------------------------------------------------
 # settings
@@ -260,6 +260,18 @@ def test_train_then_sample_produces_text(workdir):
     # a prompt longer than the context is one clear line, not a traceback
     result = run('sample.py', f'--out_dir={out}', '--start=' + 'a' * 100, cwd=workdir)
     assert result.returncode != 0 and 'longer than the model' in result.stderr and 'Traceback' not in result.stderr
+
+
+def test_a_k_schedule_sets_training_s_experts_per_token_by_step_and_the_log_shows_them(workdir):
+    out = workdir / 'out-schedule'
+    result = run('train.py', TINY, '--k_schedule=0:4/10:1', f'--out_dir={out}', cwd=workdir)
+    assert result.returncode == 0, result.stderr
+    train = [r for r in map(json.loads, open(out / 'log.jsonl')) if r['event'] == 'train']
+    assert [(r['iter'], r['experts']) for r in train] == [(5, 4.0), (10, 4.0), (15, 1.0), (20, 1.0)]
+    done = json.loads(open(out / 'log.jsonl').readlines()[-1])
+    assert done['experts_trained'] == 2.5 and done['experts_mean'] == 2.0  # evaluation: top_k
+    refused = run('train.py', TINY, '--router=seqtopk', '--k_schedule=0:2', '--out_dir=x', cwd=workdir)
+    assert 'only topk, mrltopk' in one_error_line(refused)
 
 
 # -----------------------------------------------------------------------------

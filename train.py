@@ -23,7 +23,7 @@ import prepare
 from configurator import (Rule, configure, device_name, fraction, non_empty, non_negative, non_negative_int, one_of,
                           positive, positive_int)
 from model import GPT, GPTConfig
-from router import step_budgets
+from router import ROUTERS, step_budgets
 from runtime import (StopRequest, agree, autocast_for, join_torchrun, keep_freed_cpu_memory, on_lost_peer,
                      pick_device, resume_command)
 from stats import (add_counts, done_line, done_summary, eval_line, predictive_entropy, routing_counts,
@@ -56,10 +56,10 @@ top_k = 2
 exp_dim = 128
 moe_every = 1                   # every moe_every-th block is MoE (1 = all, 0 = none: a dense GPT)
 mlp_dim = 0                     # width of the dense FFN blocks (0 = 4 * n_embd)
-router = 'topk'                 # topk | mrltopk | seqtopk | batchtopk | relu (router.ROUTERS)
+router = 'topk'                 # topk | mrltopk | seqtopk | batchtopk | relu | windowtopk (router.ROUTERS)
 seq_min_k = 1
 seq_max_k = 0                   # 0 = top_k + 2 (the paper's default); n_exp = no upper bound
-score_func = 'softmax'          # router scores: 'softmax' or 'sigmoid'
+score_func = 'softmax'          # router scores: 'softmax', 'sigmoid' or 'relu' (ReMoE's gates)
 route_scale = 0.0               # gates = route_scale x the selected scores (0 = auto: each gate ~1 at init)
 norm_topk_prob = False
 balance = 'aux'                 # 'aux' (Switch loss), 'bias' (loss-free: a per-expert bias on the choice), 'none'
@@ -74,6 +74,8 @@ relu_threshold_step = 0.1       # relu: step with which a too-sparse layer's ReL
 moe_impl = 'grouped'            # 'grouped' (torch._grouped_mm) or 'loop' (one matmul per expert)
 seq_causal = False              # seqtopk: train with the online (causal) rule instead of the offline one
 seq_budget = 'plain'            # online seqtopk: 'plain' (the paper) or 'strict' (no prefix overspends)
+window_floor = 1                # windowtopk: each token's own top experts added to its window's T*k
+k_schedule = ''                 # training's k by step, 'step:k/step:k/...' from each step on (topk, mrltopk)
 # optimizer: AdamW with linear warmup then cosine decay
 learning_rate = 2e-3
 max_iters = 1500
@@ -100,7 +102,33 @@ RULES = dict(
     learning_rate=positive, max_iters=non_negative_int, weight_decay=non_negative, beta1=fraction, beta2=fraction,
     grad_clip=non_negative, warmup_iters=non_negative_int, lr_decay_iters=non_negative_int, min_lr=non_negative,
     device=device_name, dtype=one_of('auto', 'float32', 'bfloat16', 'float16'), seed=non_negative_int)
-RELATIONS = [('min_lr', lambda c: c['min_lr'] <= c['learning_rate'], 'at most --learning_rate={learning_rate}')]
+RELATIONS = [('min_lr', lambda c: c['min_lr'] <= c['learning_rate'], 'at most --learning_rate={learning_rate}'),
+             ('k_schedule', lambda c: not c['k_schedule'] or schedule_ok(c['k_schedule'], c['n_exp']),
+              "'step:k/step:k/...', steps rising from 0, each k between 1 and --n_exp={n_exp}"),
+             ('k_schedule', lambda c: not c['k_schedule'] or c['router'] not in ROUTERS or ROUTERS[c['router']].per_step_k,
+              "'' with --router={router}: only " + ', '.join(n for n, r in ROUTERS.items() if r.per_step_k)
+              + " route with a per-step k")]
+
+
+def schedule(text):
+    """'0:16/100:8' -> [(0, 16), (100, 8)]: from each step on, that k."""
+    return [tuple(int(v) for v in item.split(':')) for item in text.split('/')]
+
+
+def schedule_ok(text, n_exp):
+    try:
+        steps = schedule(text)
+    except ValueError:
+        return False
+    return (all(len(s) == 2 and 1 <= s[1] <= n_exp for s in steps) and steps[0][0] == 0
+            and all(a[0] < b[0] for a, b in zip(steps, steps[1:])))
+
+
+def scheduled_k(steps, step):
+    return [k for start, k in steps if start <= step][-1]
+
+
+
 config, overridden = configure(globals(), sys.argv[1:], RULES, RELATIONS)
 t_begin = time.time()
 ddp = 'RANK' in os.environ  # distributed data parallel when launched by torchrun: NCCL on GPUs, gloo on CPU
@@ -311,6 +339,7 @@ X, Y = get_batch('train')
 # they routed, for the whole run (a resumed run carries them on; rank 0's share under DDP)
 pairs_trained = torch.tensor(checkpoint.get('pairs_trained', 0) if init_from == 'resume' else 0, device=device)
 tokens_trained = checkpoint.get('tokens_trained', 0) if init_from == 'resume' else 0
+pairs_logged, tokens_logged = int(pairs_trained), tokens_trained  # at the last log line: its experts/token
 t_start = t_last = time.time()
 while True:
     lr = get_lr(iter_num)
@@ -338,6 +367,8 @@ while True:
     # every MoE layer's k for this step (mrltopk draws them), a function of (seed, step) alone: the same on
     # every rank and micro-step, and a resumed run redraws exactly what the straight run drew
     moe_ks = step_budgets(cfg, len(routers), torch.Generator().manual_seed(seed * 1_000_003 + iter_num))
+    if k_schedule:
+        moe_ks = [scheduled_k(schedule(k_schedule), iter_num)] * len(routers)
     for micro_step in range(gradient_accumulation_steps):
         if ddp:  # gradients are all-reduced on the last micro-step only
             model.require_backward_grad_sync = micro_step == gradient_accumulation_steps - 1
@@ -372,8 +403,13 @@ while True:
     if iter_num % log_interval == 0 and master_process:
         ms, t_last = (time.time() - t_last) * 1000 / log_interval, time.time()
         aux = float(extra['aux_loss'].detach()) if torch.is_tensor(extra['aux_loss']) else 0.0
+        experts = None
+        if tokens_trained > tokens_logged:  # experts per token-layer since the last log line
+            experts = (int(pairs_trained) - pairs_logged) / (tokens_trained - tokens_logged)
+            pairs_logged, tokens_logged = int(pairs_trained), tokens_trained
         print(f"iter {iter_num}: ce {ce.item():.4f}, aux {aux:.4f}, lr {lr:.2e}, {ms:.0f} ms/iter")
-        run.log(dict(event='train', iter=iter_num, ce=ce.item(), aux=aux, lr=lr, ms_per_iter=ms))
+        run.log(dict(event='train', iter=iter_num, ce=ce.item(), aux=aux, lr=lr, ms_per_iter=ms,
+                     experts=experts))
     if stopping:  # preempted (SIGTERM) or Ctrl-C (SIGINT): keep everything, exit cleanly
         check_weights(iter_num)
         if master_process:
