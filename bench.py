@@ -35,8 +35,8 @@ from configurator import Rule, configure, each, non_negative_int, one_of, positi
 from cache import Cache
 from model import GPT, GPTConfig, MoE
 from runtime import keep_freed_cpu_memory
-from fast import compiled_step, online_seqtopk_mask
-from router import ROUTERS, batchtopk_mask, seqtopk_mask, step_budgets, topk_mask
+from fast import FAST, compiled_decode, online_seqtopk_mask
+from router import ROUTERS, batchtopk_mask, seqtopk_mask, step_ks, topk_mask
 
 # -----------------------------------------------------------------------------
 what = 'all'              # all | route | train | moe | decode
@@ -180,9 +180,9 @@ def bench_train(results):
             def run(step_model=step_model, opt=opt, cfg=model.config, n_moe=len(model.routers())):
                 for _ in range(train_steps):
                     # each layer's k drawn outside the model, as train.py does (mrltopk: a fresh draw every step)
-                    moe_ks = step_budgets(cfg, n_moe)
+                    moe_ks = step_ks(cfg, n_moe)
                     with autocast():
-                        _, ce, aux = step_model(x, y, moe_ks=moe_ks)
+                        _, ce, aux = step_model(x, y, moe_ks=moe_ks, fast=FAST)
                     (ce + aux['aux_loss']).backward()
                     opt.step()
                     opt.zero_grad(set_to_none=True)
@@ -207,18 +207,6 @@ def bench_train(results):
 
 
 # -----------------------------------------------------------------------------
-def naive_moe(moe, x):
-    """The textbook MoE loop for contrast: per expert, gather its tokens with a boolean index."""
-    mask, weights, _, _ = moe.router(x)
-    flat, mask, weights = x.view(-1, x.shape[-1]), mask.view(-1, mask.shape[-1]), weights.view(-1, mask.shape[-1])
-    out = torch.zeros_like(flat)
-    for e in range(mask.shape[1]):
-        rows = mask[:, e].nonzero().squeeze(1)
-        h = F.gelu(flat[rows] @ moe.w_fc[e]) @ moe.w_proj[e]
-        out.index_add_(0, rows, h * weights[rows, e, None])
-    return out
-
-
 def bench_moe(results):
     """The MoE layer (router + dispatch + experts) against a dense FFN with the same active params."""
     C, H, N, k = moe_embd, moe_exp_dim, moe_n_exp, moe_top_k
@@ -238,12 +226,12 @@ def bench_moe(results):
             moe = MoE(cfg).to(device)
             torch.nn.init.normal_(moe.w_fc, std=0.02)
             torch.nn.init.normal_(moe.w_proj, std=0.02)
-            layers[f'MoE {router}, {impl}'] = (lambda m: (lambda inp: m(inp)[0]))(moe)
-            if router == 'topk' and impl == 'grouped':
-                layers['MoE topk, naive per-expert loop'] = (lambda m: (lambda inp: naive_moe(m, inp)))(moe)
+            layers[f'MoE {router}, {impl}'] = (lambda m: (lambda inp: m(inp, fast=FAST)[0]))(moe)
+            if router == 'topk' and impl == 'grouped':  # the plain model's experts, for contrast
+                layers['MoE topk, textbook loop'] = (lambda m: (lambda inp: m(inp)[0]))(moe)
     runs = {}
     for name, layer in layers.items():
-        fn = torch.compile(layer) if compile and 'naive' not in name else layer
+        fn = torch.compile(layer) if compile and 'textbook' not in name else layer
 
         def run(fn=fn):
             with autocast():
@@ -261,9 +249,9 @@ def bench_moe(results):
 @torch.inference_mode()
 def decode_in_turns(ways, prompt, steps, recompute_every=1, block=16, recompute=()):
     """Greedy decoding of `steps` tokens after `prompt` in every way, name -> (model, step), as GPT.generate
-    decodes: the prompt eagerly into a Cache, then one token a step through step (model.decode_step or
-    fast.compiled_step); the ways named in `recompute` also recompute the whole context, eagerly (at every
-    `recompute_every`-th step). The
+    decodes: the prompt eagerly into a Cache, then one token a step through step (model.decode_token, the
+    plain definitions, or fast.compiled_decode); the ways named in `recompute` also recompute the whole
+    context, eagerly (at every `recompute_every`-th step). The
     ways take turns every `block` steps: cached steps follow each other as in generation, and a drift in
     the machine's speed hits all alike. Returns, per way, the seconds of each cached step (step 0 is the
     prompt), the seconds of each recompute, the Cache at the end, and the tokens."""
@@ -306,13 +294,11 @@ def bench_decode(results):
     prompt = torch.randint(0, shape['vocab_size'], (1, prompt_tokens), generator=gen).to(device)
     models = {router: build(router, shape).eval() for router in ('topk', 'seqtopk')}
     way_names = decode_ways.split(',')
-    ways = {(router, way): (model, compiled_step(model) if way == 'compiled' else model.decode_step)
+    ways = {(router, way): (model, compiled_decode(model) if way == 'compiled' else model.decode_token)
             for router, model in models.items() for way in way_names}
     if 'compiled' in way_names:  # seqtopk's routing and Expert Cache with topk's expert work: top_k slots a token
         capped = build('seqtopk', shape).eval()
-        for moe in (m for m in capped.modules() if isinstance(m, MoE)):
-            moe.router.slots = moe.router.budget
-        ways[('seqtopk', CAPPED)] = (capped, compiled_step(capped))
+        ways[('seqtopk', CAPPED)] = (capped, compiled_decode(capped, slots=capped.config.top_k))
     # decode_in_turns takes generate's steps: the same tokens as generate(temperature=0), checked here; the
     # first compiled generation compiles the step, timed apart and from cold (inductor's on-disk caches
     # unused: a user's first compile, not a rerun's)
@@ -320,7 +306,7 @@ def bench_decode(results):
     for (router, way), (model, step) in ways.items():
         t0 = time.perf_counter()
         with autocast(), torch._inductor.config.patch(force_disable_caches=True):
-            generated = model.generate(prompt, 16, temperature=0, step=step)
+            generated = model.generate(prompt, 16, temperature=0, decode=step)
         sync()
         if way != 'eager':
             compile_s[(router, way)] = time.perf_counter() - t0

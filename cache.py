@@ -1,7 +1,7 @@
 """
 What a generation carries from step to step: per layer the KV cache and, in MoE layers, the Expert
 Cache (Eq. 6: the router scores of the tokens so far, for online SeqTopK). Static, as in gpt-fast:
-buffers of block_size tokens, written in place at a position counted on the device: one graph.
+buffers of block_size tokens written in place at a position counted on the device (one graph).
 """
 import torch
 
@@ -44,8 +44,7 @@ class LayerCache:
         self.spent = None          # (B,): the experts those tokens took
 
     def write_kv(self, k, v, pos):
-        """The new keys and values (B, n_head, T, head size) at positions pos (T,); returns the
-        whole buffers, whose positions past the newest the attention masks."""
+        """New keys and values (B, n_head, T, head size) at pos (T,); returns the whole buffers."""
         if self.k is None:
             B, n_head, _, head_size = k.shape
             self.k, self.v = (static(t.new_zeros(B, n_head, self.cache.block_size, head_size))
@@ -56,6 +55,12 @@ class LayerCache:
 
     def n_past(self):  # the tokens the Expert Cache holds before this call's
         return self.cache.pos
+
+    def expert_cache_so_far(self):
+        """Its rows of the tokens so far (B, P, R) and the experts they took (B,), or None, None."""
+        if self.expert_cache is None:
+            return None, None
+        return self.expert_cache[:, :int(self.n_past())], self.spent
 
     def write_expert_cache(self, rows, taken):
         """The new tokens' rows (B, T, R) after the earlier ones' (the slots past them stay -inf,

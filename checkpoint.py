@@ -18,6 +18,7 @@ from dataclasses import fields
 
 import torch
 
+from configurator import ARCHITECTURE
 from model import GPTConfig
 from prepare import written
 
@@ -26,12 +27,8 @@ MODEL_KEYS = [f.name for f in fields(GPTConfig)]  # the settings a checkpoint's 
 # before them (the paper's gates: the selected softmax scores, unscaled), and the buffers added with them
 LEGACY_MODEL_ARGS = dict(score_func='softmax', route_scale=1.0, balance='aux', balance_rate=1e-3,
                          rope=False)
-# settings that may change on resume or fine-tuning; the rest is architecture
-ROUTING_KEYS = {'router', 'top_k', 'seq_min_k', 'seq_max_k', 'norm_topk_prob', 'aux_loss_weight',
-                'z_loss_weight', 'score_func', 'route_scale', 'balance', 'balance_rate',
-                'threshold_decay', 'relu_l1_init', 'relu_l1_step', 'relu_l1_per_layer',
-                'relu_threshold_step', 'moe_impl', 'dropout', 'seq_causal', 'seq_budget',
-                'window_floor'}
+# settings that may change on resume or fine-tuning: all but the architecture (MODEL_RULES)
+ROUTING_KEYS = set(MODEL_KEYS) - ARCHITECTURE
 # a router's state buffers: each router keeps its own, so a checkpoint of another router (or one
 # from before routers kept only theirs) has others; a router starts those it lacks afresh
 ROUTER_STATE = tuple(f'.router.{name}' for name in (

@@ -12,7 +12,8 @@ anything runs and stops at the first bad value with one line, e.g.
 
     error: --batch_size=0 must be a positive integer
 
-The model's own settings are checked by model.GPTConfig.validate, with the same vocabulary.
+The model's own settings are checked by model.GPTConfig.validate, with the same vocabulary
+(MODEL_RULES, at the end).
 """
 import difflib
 import math
@@ -81,7 +82,7 @@ def apply_overrides(config, args):
 # -----------------------------------------------------------------------------
 # rules: what one setting may be, as (test, what to tell the user)
 
-Rule = namedtuple('Rule', 'test allowed')
+Rule = namedtuple('Rule', 'test allowed fixed', defaults=(False,))  # fixed: by the weights, if any
 positive_int = Rule(lambda v: v >= 1, 'a positive integer')
 non_negative_int = Rule(lambda v: v >= 0, 'an integer >= 0')
 positive = Rule(lambda v: v > 0, 'a positive number')
@@ -90,6 +91,14 @@ fraction = Rule(lambda v: 0 <= v < 1, 'in [0, 1)')
 non_empty = Rule(lambda v: v != '', 'non-empty text')
 device_name = Rule(lambda v: re.fullmatch(r'auto|cpu|mps|cuda(:\d+)?', v) is not None,
                    'auto, cpu, cuda, cuda:N or mps')
+
+
+flag = Rule(lambda v: isinstance(v, bool), 'True or False')
+
+
+def fixed(rule):
+    """The same rule for a model setting that a trained model's weights fix (its architecture)."""
+    return rule._replace(fixed=True)
 
 
 def above(bound):
@@ -104,6 +113,21 @@ def each(rule, convert=str):
     """A comma-separated list whose every item, after convert(), follows rule."""
     return Rule(lambda v: all(rule.test(convert(item.strip())) for item in v.split(',')),
                 f'a comma-separated list, each item {rule.allowed}')
+
+
+def schedule(text):
+    """'0:16/100:8' -> [(0, 16), (100, 8)]: from each step on, that value; None if malformed."""
+    try:
+        steps = [tuple(int(v) for v in item.split(':')) for item in text.split('/')]
+    except ValueError:
+        return None
+    ok = all(len(s) == 2 for s in steps) and steps[0][0] == 0 and all(
+        a[0] < b[0] for a, b in zip(steps, steps[1:]))
+    return steps if ok else None
+
+
+def at_step(steps, step):  # a schedule's value at a step
+    return [value for start, value in steps if start <= step][-1]
 
 
 def check(config, rules, relations=()):
@@ -142,14 +166,19 @@ def configure(config, args, rules, relations=()):
     return settings, overridden
 
 
-# what each model setting may be (GPTConfig.validate checks them; the routers check the rest)
+# what each model setting may be (model.GPTConfig.validate checks them; the routers, the rest):
+# adding a setting is a field of GPTConfig and a rule here
 MODEL_RULES = dict(
-    block_size=positive_int, vocab_size=positive_int, n_layer=positive_int, n_head=positive_int,
-    n_embd=positive_int, dropout=fraction, n_exp=positive_int, top_k=positive_int,
-    exp_dim=positive_int, moe_every=non_negative_int, mlp_dim=non_negative_int,
-    seq_min_k=non_negative_int, seq_max_k=non_negative_int, aux_loss_weight=non_negative,
-    z_loss_weight=non_negative, threshold_decay=fraction, score_func=one_of('softmax', 'sigmoid', 'relu'),
-    route_scale=non_negative, balance=one_of('aux', 'bias', 'none'), balance_rate=positive,
-    relu_l1_init=positive, relu_l1_step=above(1), relu_threshold_step=non_negative,
-    moe_impl=one_of('grouped', 'loop'), seq_budget=one_of('plain', 'strict'), window_floor=positive_int,
-    router=Rule(lambda v: v in ROUTERS, 'one of ' + ', '.join(ROUTERS)))  # ROUTERS when checked
+    block_size=fixed(positive_int), vocab_size=fixed(positive_int), n_layer=fixed(positive_int),
+    n_head=fixed(positive_int), n_embd=fixed(positive_int), bias=fixed(flag), rope=fixed(flag),
+    n_exp=fixed(positive_int), exp_dim=fixed(positive_int), moe_every=fixed(non_negative_int),
+    mlp_dim=fixed(non_negative_int), dropout=fraction,
+    router=Rule(lambda v: v in ROUTERS, 'one of ' + ', '.join(ROUTERS)), top_k=positive_int,
+    seq_min_k=non_negative_int, seq_max_k=non_negative_int, seq_causal=flag,
+    seq_budget=one_of('plain', 'strict'), window_floor=positive_int,
+    score_func=one_of('softmax', 'sigmoid', 'relu'), route_scale=non_negative,
+    norm_topk_prob=flag, balance=one_of('aux', 'bias', 'none'), balance_rate=positive,
+    aux_loss_weight=non_negative, z_loss_weight=non_negative, threshold_decay=fraction,
+    relu_l1_init=positive, relu_l1_step=above(1), relu_l1_per_layer=flag,
+    relu_threshold_step=non_negative, moe_impl=one_of('grouped', 'loop'))
+ARCHITECTURE = {key for key, rule in MODEL_RULES.items() if rule.fixed}

@@ -65,10 +65,10 @@ def trained_tiny(router, **kw):
     return model.eval()
 
 
-def train_step(model, x, y):
+def train_step(model, x, y, fast=None):
     """Loss and gradients of one training step (forward + backward)."""
     model.zero_grad()
-    _, ce, aux = model(x, y)
+    _, ce, aux = model(x, y, fast=fast)
     (ce + aux['aux_loss']).backward()
     return ce.detach(), [p.grad.clone() for p in model.parameters()]
 

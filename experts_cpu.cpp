@@ -1,9 +1,9 @@
-// The experts of a compiled CPU decoding step (experts.slot_dispatch), as one op: each token runs only the
+// The experts of a compiled CPU decoding step (fast.decode_experts), as one op: each token runs only the
 // experts it takes (its slots with a nonzero gate), and each expert's two matmuls are split by columns over
 // the threads. A step then costs the experts its tokens take, whatever their number. Inductor's kernel for
 // the same static slots runs every slot, taken or not, and splits the slots over the threads, so that a
 // token taking 3 or 5 experts leaves a thread idle for one expert's time (results/README.md, decoding).
-// Float32, contiguous; built by experts.cpu_kernel with torch.utils.cpp_extension.
+// Float32, contiguous; built by fast.built_cpu_kernel with torch.utils.cpp_extension.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>

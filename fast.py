@@ -1,34 +1,106 @@
 """
-Fast paths: the same results as the plain definitions in router.py and experts.py, computed
-faster. None is needed to understand the model; each is tested equal to its reference.
+Fast paths: what router.py and experts.py define, computed faster. None is needed to understand
+the model and each is tested equal to its plain definition. The scripts pass them to the model
+explicitly (GPT.forward's `fast=`); without them every idea runs as its plain definition.
 
-- top_entries: router.top_entries (a stable top-n) without a sort.
-- online_seqtopk_mask: router.online_seqtopk_mask (Eq. 7) for a whole sequence in one pass by
-  counting instead of T SeqTopK calls, against the Expert Cache's earlier tokens, in a few ops
-  for one decoding token, and with the strict budget in closed form.
-- grouped_mm: experts.expert_loop in one kernel (torch._grouped_mm), which compile can trace.
-- compiled_step: a decoding step compiled to one graph (CUDA graphs on a GPU); on the CPU its
-  experts run in one C++ op (experts_cpu.cpp) that runs only the experts a token takes.
+- grouped_mm: experts.expert_loop in one kernel (torch._grouped_mm), which compile can trace;
+  moe_experts: experts.moe_sorted with it, and with the pair count known in advance.
+- online_seqtopk_mask: router.online_seqtopk_mask for many tokens at once by counting instead of
+  token by token, against a static Expert Cache in a few ops for one decoding token, and with
+  the strict budget in closed form.
+- compiled_decode: a decoding step compiled to one graph (CUDA graphs on a GPU), each token
+  running a fixed number of (token, expert) pairs; on the CPU its experts run in one C++ op
+  (experts_cpu.cpp) that runs only the experts a token takes.
 """
 import functools
 import os
 import subprocess
 import warnings
+from typing import Callable, NamedTuple
 
 import torch
+from torch.nn import functional as F
 
-import experts
+from experts import expert_loop, moe_sorted
 
 
-def top_entries(values, n):
-    """router.top_entries without a sort: the n-th largest value, then the ties that still fit, in
-    order (the selection of SeqTopK and BatchTopK in every training step)."""
-    if n == 0:
-        return torch.zeros_like(values, dtype=torch.bool)
-    nth = values.topk(n, dim=-1, sorted=False).values.amin(dim=-1, keepdim=True)
-    above, tied = values > nth, values == nth
-    return above | (tied & (tied.cumsum(dim=-1) <= n - above.sum(dim=-1, keepdim=True)))
+class Paths(NamedTuple):
+    """What the model computes faster when given (GPT.forward(..., fast=Paths)): the MoE layer's
+    experts (x, mask, gates, moe, online) -> y, and SeqTopK's online rule (scores, k, min_k,
+    max_k, strict, layer_cache) -> mask."""
+    experts: Callable
+    online_mask: Callable
 
+
+# -----------------------------------------------------------------------------
+# the grouped matmul: experts.expert_loop in one kernel
+
+def grouped_kernel_ok(*mats):
+    """Whether torch._grouped_mm runs: fp32, bf16, fp16 on CPU, bf16 on CUDA GPUs of compute
+    capability 8.0+, 16-byte aligned rows (or columns, transposed)."""
+    def ok(m):
+        cpu = m.device.type == 'cpu' and m.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        cuda = (m.is_cuda and m.dtype == torch.bfloat16
+                and torch.cuda.get_device_capability(m.device) >= (8, 0))
+        aligned = min(m.stride()[-2:]) == 1 and max(m.stride()[-2:]) * m.element_size() % 16 == 0
+        return (cpu or cuda) and aligned
+    return hasattr(torch, '_grouped_mm') and all(ok(m) for m in mats)
+
+
+# A custom op with its gradient, so that torch.compile traces through it: torch._grouped_mm has
+# no fp32 CPU kernel for compile's fake tensors, and the loop (where the kernel cannot run) syncs.
+@torch.library.custom_op('seqmoe::grouped_mm', mutates_args=())
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """experts.expert_loop: x (P, C) grouped by expert, w (N, C, H) -> (P, H)."""
+    if grouped_kernel_ok(x, w):
+        return torch._grouped_mm(x, w, offs=offs)
+    return expert_loop(x, w, offs)
+
+
+@torch.library.custom_op('seqmoe::grouped_mm_weight_grad', mutates_args=())
+def grouped_mm_weight_grad(x: torch.Tensor, grad: torch.Tensor,
+                           offs: torch.Tensor) -> torch.Tensor:
+    """The gradient of grouped_mm's w: each expert's x rows, transposed, times its grad rows."""
+    if grouped_kernel_ok(x.t(), grad):
+        return torch._grouped_mm(x.t(), grad, offs=offs)
+    out = x.new_zeros(offs.shape[0], x.shape[1], grad.shape[1])  # experts without rows: zeros
+    ends = offs.tolist()
+    for e, (start, end) in enumerate(zip([0] + ends[:-1], ends)):
+        torch.mm(x[start:end].t(), grad[start:end], out=out[e])
+    return out
+
+
+grouped_mm.register_fake(lambda x, w, offs: x.new_empty(x.shape[0], w.shape[2]))
+grouped_mm_weight_grad.register_fake(
+    lambda x, grad, offs: x.new_empty(offs.shape[0], x.shape[1], grad.shape[1]))
+
+
+def grouped_mm_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def grouped_mm_backward(ctx, grad):
+    x, w, offs = ctx.saved_tensors
+    grad = grad.contiguous()
+    grad_x = grouped_mm(grad, w.transpose(1, 2), offs) if ctx.needs_input_grad[0] else None
+    grad_w = grouped_mm_weight_grad(x, grad, offs) if ctx.needs_input_grad[1] else None
+    return grad_x, grad_w, None
+
+
+grouped_mm.register_autograd(grouped_mm_backward, setup_context=grouped_mm_setup)
+
+
+def moe_experts(x, mask, gates, moe, online):
+    """experts.moe_loop as the sorted dispatch, with the grouped kernel (moe_impl='grouped') and,
+    where the router knows it (the exact budgets), the pair count: static shapes, no host sync,
+    so that compile makes one graph of the training forward."""
+    mm = grouped_mm if moe.config.moe_impl == 'grouped' else expert_loop
+    n_pairs = moe.router.n_pairs(mask.shape[0], online)
+    return moe_sorted(x, mask, gates, moe.w_fc, moe.w_proj, mm, n_pairs)
+
+
+# -----------------------------------------------------------------------------
+# online SeqTopK by counting
 
 def cached_at_least(past, candidates):
     """For each candidate (B, T, R) of the new tokens: how many of the Expert Cache's (B, P, R)
@@ -41,7 +113,8 @@ def cached_at_least(past, candidates):
     return (counts[0] if len(counts) == 1 else torch.cat(counts, dim=1)).view(B, T, R)
 
 
-def online_seqtopk_mask(scores, k, min_k, max_k, past=None, n_past=None, spent=None, strict=False):
+def online_seqtopk_mask(scores, k, min_k, max_k, past=None, n_past=None, spent=None,
+                        strict=False):
     """router.online_seqtopk_mask for the newest T tokens scores (B, T, N), after earlier ones.
     past (B, P, R): the Expert Cache, router.expert_cache_rows of the earlier tokens (-inf in
     slots not yet written); n_past: how many there are (default P; a tensor in a decoding step,
@@ -101,65 +174,67 @@ def online_seqtopk_mask(scores, k, min_k, max_k, past=None, n_past=None, spent=N
     return torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, order, rank < counts[..., None])
 
 
-# -----------------------------------------------------------------------------
-# the grouped matmul: experts.expert_loop in one kernel
-
-def grouped_kernel_ok(*mats):
-    """Whether torch._grouped_mm runs: fp32, bf16, fp16 on CPU, bf16 on CUDA GPUs of compute
-    capability 8.0+, 16-byte aligned rows (or columns, transposed)."""
-    def ok(m):
-        cpu = m.device.type == 'cpu' and m.dtype in (torch.float32, torch.bfloat16, torch.float16)
-        cuda = (m.is_cuda and m.dtype == torch.bfloat16
-                and torch.cuda.get_device_capability(m.device) >= (8, 0))
-        aligned = min(m.stride()[-2:]) == 1 and max(m.stride()[-2:]) * m.element_size() % 16 == 0
-        return (cpu or cuda) and aligned
-    return hasattr(torch, '_grouped_mm') and all(ok(m) for m in mats)
+def online_mask(scores, k, min_k, max_k, strict, cache):
+    """online_seqtopk_mask against a generation's LayerCache (whole static buffer, its position a
+    tensor: no host sync), or none."""
+    past = (cache.expert_cache, cache.n_past(), cache.spent) if cache is not None else (None,) * 3
+    return online_seqtopk_mask(scores, k, min_k, max_k, *past, strict=strict)
 
 
-# A custom op with its gradient, so that torch.compile traces through it: torch._grouped_mm has
-# no fp32 CPU kernel for compile's fake tensors, and the loop (where the kernel cannot run) syncs.
-@torch.library.custom_op('seqmoe::grouped_mm', mutates_args=())
-def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """experts.expert_loop: x (P, C) grouped by expert, w (N, C, H) -> (P, H)."""
-    if grouped_kernel_ok(x, w):
-        return torch._grouped_mm(x, w, offs=offs)
-    return experts.expert_loop(x, w, offs)
-
-
-@torch.library.custom_op('seqmoe::grouped_mm_weight_grad', mutates_args=())
-def grouped_mm_weight_grad(x: torch.Tensor, grad: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """The gradient of grouped_mm's w: each expert's x rows, transposed, times its grad rows."""
-    if grouped_kernel_ok(x.t(), grad):
-        return torch._grouped_mm(x.t(), grad, offs=offs)
-    out = x.new_zeros(offs.shape[0], x.shape[1], grad.shape[1])  # experts without rows: zeros
-    ends = offs.tolist()
-    for e, (start, end) in enumerate(zip([0] + ends[:-1], ends)):
-        torch.mm(x[start:end].t(), grad[start:end], out=out[e])
-    return out
-
-
-grouped_mm.register_fake(lambda x, w, offs: x.new_empty(x.shape[0], w.shape[2]))
-grouped_mm_weight_grad.register_fake(
-    lambda x, grad, offs: x.new_empty(offs.shape[0], x.shape[1], grad.shape[1]))
-
-
-def grouped_mm_setup(ctx, inputs, output):
-    ctx.save_for_backward(*inputs)
-
-
-def grouped_mm_backward(ctx, grad):
-    x, w, offs = ctx.saved_tensors
-    grad = grad.contiguous()
-    grad_x = grouped_mm(grad, w.transpose(1, 2), offs) if ctx.needs_input_grad[0] else None
-    grad_w = grouped_mm_weight_grad(x, grad, offs) if ctx.needs_input_grad[1] else None
-    return grad_x, grad_w, None
-
-
-grouped_mm.register_autograd(grouped_mm_backward, setup_context=grouped_mm_setup)
+# what train.py, bench.py and a generation pass to the model for speed
+FAST = Paths(experts=moe_experts, online_mask=online_mask)
 
 
 # -----------------------------------------------------------------------------
-# the compiled decoding step
+# the compiled decoding step: each token's experts in a fixed number of slots
+
+def slot_pairs(mask, gates, slots):
+    """Each token's experts in `slots` slots (M, slots), those it takes first, and their gates; a
+    slot it does not take holds its first expert again with gate 0 (no other weights are read)."""
+    taken, expert = mask.to(gates.dtype).topk(slots, dim=-1)
+    expert = torch.where(taken > 0, expert, expert[:, :1])
+    return expert, gates.gather(-1, expert) * taken
+
+
+def slot_experts(x, expert, gate, w_fc, w_proj):
+    """experts.moe_loop over (M, slots) experts and gates, each pair's expert weights gathered
+    (as gpt-fast decodes Mixtral): no shape depends on the data. The matrices are cast after the
+    gather: a bf16 step reads only the experts it uses."""
+    M, C = x.shape
+    expert = expert.flatten()
+    h = F.gelu(torch.bmm(x.repeat_interleave(gate.shape[1], dim=0).unsqueeze(1),
+                         w_fc.index_select(0, expert).to(x.dtype)))  # (P, 1, H)
+    y = torch.bmm(h * gate.reshape(-1, 1, 1), w_proj.index_select(0, expert).to(x.dtype))
+    return y.view(M, -1, C).sum(dim=1)
+
+
+def no_experts(x, expert, gate, w_fc, w_proj):
+    return torch.zeros_like(x)
+
+
+def decode_experts(x, mask, gates, moe, online, slots=None, cpu=False):
+    """The experts of a decoding step, each token in `slots` slots (default the router's max_k;
+    a router without a bound counts its pairs: moe_experts). On the CPU in float32 the C++ op
+    runs only the slots a token takes, splitting each expert's columns over the threads; without
+    it, inductor's kernel runs the slots, dealt to the threads, those past top_k only in a step
+    where a token takes one (torch.cond: a branch on the host, no shape from the data)."""
+    slots = slots or moe.router.max_k()
+    if slots is None:
+        return moe_experts(x, mask, gates, moe, online)
+    expert, gate = slot_pairs(mask, gates, slots)  # (M, slots) each
+    w_fc, w_proj = moe.w_fc, moe.w_proj
+    if not cpu:
+        return slot_experts(x, expert, gate, w_fc, w_proj)
+    if x.dtype == w_fc.dtype == torch.float32 and cpu_kernel():
+        return torch.ops.seqmoe.token_experts(x, expert, gate, w_fc, w_proj)
+    usual = min(moe.config.top_k, slots)
+    order = dealt(usual, cpu_threads())
+    y = slot_experts(x, expert[:, order], gate[:, order], w_fc, w_proj)
+    if usual == slots:
+        return y
+    rest = (x, expert[:, usual:], gate[:, usual:], w_fc, w_proj)
+    return y + torch.cond(gate[:, usual:].ne(0).any(), slot_experts, no_experts, rest)
+
 
 # inductor's settings for the CPU step, where every matmul has one row (one token)
 CPU_DECODE_OPTIONS = {
@@ -169,53 +244,22 @@ CPU_DECODE_OPTIONS = {
 }
 
 
-def compiled_step(model):
-    """model.decode_step compiled once (fullgraph; on CUDA replayed as a CUDA graph), as a step(idx,
-    cache) for model.generate. On the CPU the MoE layers' decoding experts become cpu_experts."""
+def compiled_decode(model, slots=None):
+    """model.decode_token compiled once (fullgraph; on CUDA replayed as a CUDA graph), with the
+    fast paths and each token's experts in `slots` slots (default: its router's max_k), as a
+    decode(idx, cache) for model.generate."""
     cuda = next(model.parameters()).is_cuda
-    if not cuda:
-        for moe in (b.ffn for b in model.transformer.h if hasattr(b.ffn, 'router')):
-            moe.decode_experts = functools.partial(cpu_experts, budget=moe.config.top_k)
-    compiled = torch.compile(model.decode_step, fullgraph=True,
+    experts = functools.partial(decode_experts, slots=slots, cpu=not cuda)
+    paths = FAST._replace(experts=experts)
+    compiled = torch.compile(functools.partial(model.decode_token, fast=paths), fullgraph=True,
                              mode='reduce-overhead' if cuda else None,
                              options=None if cuda else CPU_DECODE_OPTIONS)
 
-    def step(idx, cache):
+    def decode(idx, cache):
         if idx.is_cuda:
             torch.compiler.cudagraph_mark_step_begin()  # the last step's outputs are read: replay
         return compiled(idx, cache)
-    return step
-
-
-def cpu_experts(x, mask, gates, w_fc, w_proj, slots, budget=None):
-    """experts.decode_experts for a compiled CPU step: in float32 the C++ op runs only the slots a
-    token takes, splitting each expert's columns over the threads. Without the op, inductor's
-    kernel runs the slots, dealt to the threads, those past `budget` (top_k) only in a step where
-    a token takes one (torch.cond: a branch on the host, no shape from the data)."""
-    expert, gate = experts.slot_pairs(mask, gates, slots)  # (M, slots)
-    if x.dtype == w_fc.dtype == torch.float32 and cpu_kernel():
-        return torch.ops.seqmoe.token_experts(x, expert, gate, w_fc, w_proj)
-    usual = min(budget or slots, slots)
-    order = dealt(usual, cpu_threads())
-    y = slot_experts(x, expert[:, order], gate[:, order], w_fc, w_proj)
-    if usual == slots:
-        return y
-    rest = (x, expert[:, usual:], gate[:, usual:], w_fc, w_proj)
-    return y + torch.cond(gate[:, usual:].ne(0).any(), slot_experts, no_experts, rest)
-
-
-def slot_experts(x, expert, gate, w_fc, w_proj):
-    """sum over slots s of gate[:, s] * expert[:, s](x), for (M, slots) experts and gates."""
-    M, C = x.shape
-    expert = expert.flatten()
-    h = torch.nn.functional.gelu(torch.bmm(x.repeat_interleave(gate.shape[1], dim=0).unsqueeze(1),
-                                           w_fc.index_select(0, expert).to(x.dtype)))
-    y = torch.bmm(h * gate.reshape(-1, 1, 1), w_proj.index_select(0, expert).to(x.dtype))
-    return y.view(M, -1, C).sum(dim=1)
-
-
-def no_experts(x, expert, gate, w_fc, w_proj):
-    return torch.zeros_like(x)
+    return decode
 
 
 def dealt(slots, threads):

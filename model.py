@@ -2,6 +2,7 @@
 A nanoGPT-style GPT whose feed-forward layers are Mixture-of-Experts layers: config, attention
 (with RoPE), MLP, MoE, block, GPT and generate. Routers: router.py; experts: experts.py; the KV and
 Expert Cache a generation carries: cache.py. Shapes: B batch, T tokens, C n_embd, N experts.
+Every idea runs as its plain definition; the scripts pass fast.py's equal paths (`fast=`).
 """
 import math
 from dataclasses import asdict, dataclass
@@ -12,28 +13,33 @@ from torch.nn import functional as F
 
 from cache import Cache
 from configurator import MODEL_RULES, check
-from experts import decode_experts, moe_experts
-from router import ROUTERS, step_budgets
+from experts import moe_loop
+from router import ROUTERS, step_ks
 
 
 @dataclass
 class GPTConfig:
-    block_size: int = 256
+    # the architecture: what the weights fix
+    block_size: int = 128
     vocab_size: int = 50304
     n_layer: int = 4
     n_head: int = 4
     n_embd: int = 128
-    dropout: float = 0.0
     bias: bool = False
     rope: bool = True          # rotary positions in attention (False: GPT-2's learned positions)
     n_exp: int = 8             # experts per MoE layer
-    top_k: int = 2             # experts per token (on average, for sequence-level routers)
-    exp_dim: int = 256         # hidden width of each expert
+    exp_dim: int = 128         # hidden width of each expert
     moe_every: int = 1         # every moe_every-th block is MoE, the others dense (0 = none)
     mlp_dim: int = 0           # hidden width of the dense FFN blocks (0 = 4 * n_embd)
+    # routing and regularisation: may change when a trained model is resumed or fine-tuned
+    dropout: float = 0.0
     router: str = 'topk'       # a key of router.ROUTERS
+    top_k: int = 2             # experts per token (on average, for sequence-level routers)
     seq_min_k: int = 1         # seqtopk: per-token lower bound
     seq_max_k: int = 0         # seqtopk: per-token upper bound (0 = top_k + 2, n_exp = none)
+    seq_causal: bool = False   # seqtopk: route every position by the online rule, as decoding does
+    seq_budget: str = 'plain'  # online seqtopk: 'plain' (the paper), 'strict' (no prefix overspend)
+    window_floor: int = 1      # windowtopk: each token's own top experts added (the authors' code)
     score_func: str = 'softmax'  # router scores: 'softmax', 'sigmoid' or 'relu' (ReMoE's gates)
     route_scale: float = 0.0   # gates = route_scale x selected scores (0: each gate ~1 at init)
     norm_topk_prob: bool = False  # renormalise a token's selected scores to sum to 1 first
@@ -46,10 +52,7 @@ class GPTConfig:
     relu_l1_step: float = 1.2      # relu: lambda's multiplicative step (ReMoE's alpha)
     relu_l1_per_layer: bool = True  # relu: a lambda per layer (False = ReMoE: one for the model)
     relu_threshold_step: float = 0.1  # relu: step of the layers' ReLU thresholds (0 = ReMoE)
-    moe_impl: str = 'grouped'  # 'grouped' (torch._grouped_mm where it runs), 'loop' (per expert)
-    seq_causal: bool = False   # seqtopk: route every position by the online rule, as decoding does
-    seq_budget: str = 'plain'  # online seqtopk: 'plain' (the paper), 'strict' (no prefix overspend)
-    window_floor: int = 1      # windowtopk: each token's own top experts added (the authors' code)
+    moe_impl: str = 'grouped'  # fast.py's experts: 'grouped' (one kernel), 'loop' (per expert)
 
     def validate(self):
         """ValueError in the command line's words ("--top_k=9 must be at most --n_exp=8")."""
@@ -110,7 +113,8 @@ class MLP(nn.Module):
 
 
 class MoE(nn.Module):
-    """A router and n_exp expert MLPs; returns the output, the auxiliary loss and the routing."""
+    """A router and n_exp expert MLPs: y = sum_i gate_i(x) * expert_i(x), expert_i(x) =
+    gelu(x @ w_fc[i]) @ w_proj[i]; returns y, the auxiliary loss and the routing."""
 
     def __init__(self, config):
         super().__init__()
@@ -119,21 +123,19 @@ class MoE(nn.Module):
         self.w_fc = nn.Parameter(torch.empty(config.n_exp, config.n_embd, config.exp_dim))
         self.w_proj = nn.Parameter(torch.empty(config.n_exp, config.exp_dim, config.n_embd))
         self.dropout = nn.Dropout(config.dropout)
-        self.decode_experts = decode_experts  # fast.compiled_step may swap in a CPU kernel
 
-    def forward(self, x, cache=None, online=False):
+    def forward(self, x, cache=None, online=False, fast=None):
         B, T, C = x.shape
-        mask, gates, scores, aux_loss = self.router(x, cache, online)  # (B, T, N) each
+        mask, gates, scores, aux_loss = self.router(x, cache, online, fast)  # (B, T, N) each
         # the experts run in the autocast dtype (bf16 on GPUs); the router stays in fp32
         if torch.is_autocast_enabled(x.device.type):
             x = x.to(torch.get_autocast_dtype(x.device.type))
-        x, mask, gates = x.view(B * T, C), mask.view(B * T, -1), gates.view(B * T, -1).to(x.dtype)
-        if cache is not None and T == 1 and self.router.slots():  # a decoding step, with bounds
-            y = self.decode_experts(x, mask, gates, self.w_fc, self.w_proj, self.router.slots())
+        tokens = (x.view(B * T, C), mask.view(B * T, -1), gates.view(B * T, -1).to(x.dtype))
+        if fast is None:  # the textbook loop, or fast.py's sorted dispatch: the same y (tested)
+            y = moe_loop(*tokens, self.w_fc, self.w_proj)
         else:
-            n_pairs, kernel = self.router.pairs(B * T, online), self.config.moe_impl == 'grouped'
-            y = moe_experts(x, mask, gates, self.w_fc, self.w_proj, n_pairs, kernel)
-        return self.dropout(y.view(B, T, C)), aux_loss, (mask.view(B, T, -1), scores)
+            y = fast.experts(*tokens, self, online)
+        return self.dropout(y.view(B, T, C)), aux_loss, (mask, scores)
 
 
 class Block(nn.Module):
@@ -145,10 +147,10 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.ffn = MoE(config) if moe else MLP(config)
 
-    def forward(self, x, cache=None, online=False, pos=None):
+    def forward(self, x, cache=None, online=False, pos=None, fast=None):
         x = x + self.attn(self.ln_1(x), cache, pos)
         if isinstance(self.ffn, MoE):
-            y, aux_loss, routing = self.ffn(self.ln_2(x), cache, online)
+            y, aux_loss, routing = self.ffn(self.ln_2(x), cache, online, fast)
             return x + y, aux_loss, routing
         return x + self.ffn(self.ln_2(x)), 0.0, None
 
@@ -197,7 +199,7 @@ class GPT(nn.Module):
     def routers(self):  # the router of every MoE layer, in order
         return [block.ffn.router for block in self.transformer.h if isinstance(block.ffn, MoE)]
 
-    def forward(self, idx, targets=None, cache=None, online=None, moe_ks=None):
+    def forward(self, idx, targets=None, cache=None, online=None, moe_ks=None, fast=None):
         """Logits, the cross-entropy (None without targets) and aux: the auxiliary loss and each MoE
         layer's routing (mask, scores). cache: a Cache to decode with; online: by the online rule
         (default: seq_causal, or with a cache); moe_ks: each MoE layer's k this training step."""
@@ -208,14 +210,15 @@ class GPT(nn.Module):
         online = (cache is not None or self.config.seq_causal) if online is None else online
         if self.training:
             routers = self.routers()
-            moe_ks = step_budgets(self.config, len(routers)) if moe_ks is None else moe_ks
+            moe_ks = step_ks(self.config, len(routers)) if moe_ks is None else moe_ks
             for router, k in zip(routers, moe_ks, strict=True):
                 router.k = k
         x = self.transformer.wte(idx)  # (B, T, C)
         x = self.transformer.drop(x if self.config.rope else x + self.transformer.wpe(pos))
         aux_loss, routing = 0.0, []
         for i, block in enumerate(self.transformer.h):
-            x, layer_aux, layer_routing = block(x, cache.layers[i] if cache else None, online, pos)
+            layer_cache = cache.layers[i] if cache else None
+            x, layer_aux, layer_routing = block(x, layer_cache, online, pos, fast)
             aux_loss = aux_loss + layer_aux
             routing += [layer_routing] if layer_routing is not None else []
         if cache is not None:
@@ -228,9 +231,9 @@ class GPT(nn.Module):
         loss = F.cross_entropy(logits.flatten(0, 1), targets.reshape(-1), ignore_index=-1)
         return logits, loss, aux
 
-    def after_step(self):  # once per optimizer step: the routers' step rule (e.g. relu's lambda)
+    def after_step(self):  # once per optimizer step: the routers' rule (e.g. relu's lambda)
         if routers := self.routers():
-            routers[0].step(routers)
+            routers[0].after_step(routers)
 
     def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
         params = [p for p in self.parameters() if p.requires_grad]
@@ -238,39 +241,40 @@ class GPT(nn.Module):
                   dict(params=[p for p in params if p.dim() < 2], weight_decay=0.0)]  # norms
         return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=device_type == 'cuda')
 
-    def decode_step(self, idx, cache):
-        """The logits after idx (B, 1) and the routing; its shapes never change with the context."""
-        logits, _, aux = self(idx, cache=cache, online=True)
+    def decode_token(self, idx, cache, fast=None):
+        """The logits after idx (B, 1) and the routing, one token through the caches."""
+        logits, _, aux = self(idx, cache=cache, online=True, fast=fast)
         return logits, aux['routing']
 
     @torch.inference_mode()
     def generate(self, idx, max_new_tokens, temperature=1.0, sample_top_k=None, use_cache=True,
-                 prompt_routing='online', on_step=None, step=None):
+                 prompt_routing='online', on_token=None, decode=None, fast=None):
         """Sample max_new_tokens after idx (B, T), with a Cache (KV + Expert Cache) or recomputing
-        the context each step: the same tokens. prompt_routing: 'online' (token by token) or 'joint'
-        (one sequence, as the paper's code); on_step(routing) sees each step; step: the decoding
-        step (fast.compiled_step compiles one). A full context restarts from its last half."""
+        the context each step (the same tokens); a full context restarts from its last half.
+        prompt_routing: 'online' (token by token) or 'joint' (one sequence, as the paper's code);
+        on_token(routing) sees each token's routing; decode: a compiled step (fast.py)."""
         block_size = self.config.block_size
         if prompt_routing not in ('online', 'joint'):
             raise ValueError(f"prompt_routing must be 'online' or 'joint', got '{prompt_routing}'")
-        if not use_cache and (prompt_routing == 'joint' or step is not None):
+        if not use_cache and (prompt_routing == 'joint' or decode is not None):
             raise ValueError("prompt_routing='joint' and a decoding step need use_cache=True")
-        cache, step, held = Cache(self.config), step or self.decode_step, 0  # held: tokens cached
+        cache, held = Cache(self.config), 0  # held: tokens cached
+        decode = decode or (lambda idx, cache: self.decode_token(idx, cache, fast))
         for i in range(max_new_tokens):
             if not use_cache:
-                logits, _, aux = self(idx[:, -block_size:], online=True)
+                logits, _, aux = self(idx[:, -block_size:], online=True, fast=fast)
                 routing = aux['routing']
             elif i == 0 or held == block_size:  # the prompt, or the context once full
                 cache.reset()
                 context = idx[:, -(block_size // 2):] if i > 0 else idx
                 online = prompt_routing == 'online' or i > 0
-                logits, _, aux = self(context, cache=cache, online=online)
+                logits, _, aux = self(context, cache=cache, online=online, fast=fast)
                 routing, held = aux['routing'], context.shape[1]
             else:  # the token sampled last (its own tensor: a slice of idx has other strides)
-                logits, routing = step(idx_next, cache)
+                logits, routing = decode(idx_next, cache)
                 held += 1
-            if on_step is not None:
-                on_step(routing)
+            if on_token is not None:
+                on_token(routing)
             logits = logits[:, -1, :]
             if temperature <= 0:  # greedy
                 idx_next = logits.argmax(dim=-1, keepdim=True)

@@ -1,6 +1,7 @@
 """
 What the scripts set up in their process before a model runs: the device, its dtype and autocast, the
-process group of a torchrun launch, and a CPU allocator that keeps freed memory for reuse.
+process group of a torchrun launch, and a CPU allocator that keeps freed memory for reuse; and how a
+training run stops (Stopper): on every rank at once, in one line, its last good checkpoint kept.
 """
 import ctypes
 import ctypes.util
@@ -13,6 +14,8 @@ import sys
 
 import torch
 import torch.distributed as dist
+
+from checkpoint import non_finite
 
 
 def pick_device(device):
@@ -110,3 +113,75 @@ def on_lost_peer(say, kept):
             why = re.sub(r'^\[[^\]]*\]\s*', '', why).split('. ')[0]  # gloo's: no source line, no advice
             print(f"error: a process of this torchrun job is gone ({why}); {kept()}", file=sys.stderr, flush=True)
     sys.excepthook = hook
+
+
+class Stopper:
+    """How a training run stops: every rank at the same step, writing nothing more, its last good
+    checkpoint (run: checkpoint.RunFiles) kept; rank 0 says in one line why and how to go on.
+    After listen(), SIGTERM (a preemption) or SIGINT (Ctrl-C) stops it after its step, saved."""
+
+    def __init__(self, run, ddp, master_process, world_size, learning_rate):
+        self.run, self.ddp, self.master = run, ddp, master_process
+        self.world_size, self.learning_rate = world_size, learning_rate
+        self.request = None
+
+    def fail(self, message):  # under torchrun rank 0 alone says it
+        raise SystemExit(f"error: {message}" if self.master else 1)
+
+    def stop(self, why, fix):
+        if self.ddp:
+            dist.destroy_process_group()
+        self.fail(f"{why}; {self.run.kept(fix, resume_command(self.world_size, self.ddp))}")
+
+    def write_failed(self):  # a write the file system refused (rank 0): stop, nothing more written
+        if self.run.error:
+            self.stop(self.run.error, 'free some space')
+
+    def diverged(self, step, what):
+        if self.master:
+            self.run.log(dict(event='diverged', iter=step, what=what))
+        self.stop(f"{what} at step {step}: the run diverged and stopped",
+                  f"lower --learning_rate (now {self.learning_rate:g})")
+
+    def check_weights(self, model, step):
+        """Every rank, before evaluating or saving: non-finite weights are never used or saved."""
+        if bad := non_finite(model.state_dict()):  # equal on every rank under DDP
+            self.diverged(step, f"the weights hold NaN or inf ({bad[0]})")
+
+    def listen(self):
+        self.request = StopRequest()
+
+    def check_step(self, step, step_loss, grad_norm, scaled):
+        """Before step `step` is applied, on every rank at once: a non-finite loss or gradient on
+        any rank (scaled: fp16's scaler skips infs itself) stops the run with the step unapplied,
+        as does a write rank 0 could not make; returns whether a signal asks to stop after it."""
+        finite = torch.isfinite(step_loss) & (torch.isfinite(grad_norm) | scaled)
+        diverged, stopping, failed_write = agree(self.ddp, ~finite, self.request.signal is not None,
+                                                 self.run.error is not None)
+        if failed_write:
+            self.stop(self.run.error, 'free some space')
+        if diverged:
+            self.diverged(step, f"the training loss is {float(step_loss):.4g}"
+                          if not torch.isfinite(step_loss) else f"the gradient norm is "
+                          f"{float(grad_norm):.4g}" if not finite else
+                          "another process's loss is not finite")
+        return stopping
+
+    def after_signal(self, model, step, checkpoint):
+        """Save the step just taken (checkpoint(): its state), say how to resume, exit cleanly."""
+        self.check_weights(model, step)
+        if self.master:
+            self.run.save(checkpoint())
+            self.run.log(dict(event='stopped', iter=step, signal=self.request.signal))
+            self.write_failed()
+            print(f"{self.request.signal or 'signal on another rank'}: stopped after step {step} "
+                  f"and saved {self.run.ckpt_path}; continue with: "
+                  f"{resume_command(self.world_size, self.ddp)}", flush=True)
+        if self.ddp:
+            dist.destroy_process_group()
+        sys.exit(0)
+
+    def on_lost_peer(self):
+        """Under torchrun: another process of the job dies: one line on rank 0, no traceback."""
+        on_lost_peer(self.master, lambda: self.run.kept("see torchrun's summary",
+                                                        resume_command(self.world_size, self.ddp)))

@@ -1,9 +1,9 @@
 """
-Generate text from a trained checkpoint.
+Generate text from a trained checkpoint, with the KV cache and the Expert Cache.
 
     python sample.py --out_dir=out --start="ROMEO:" --max_new_tokens=300
-    python sample.py --start=FILE:prompt.txt
-    python sample.py --compile=True --temperature=0     # the decoding step compiled to one graph
+    python sample.py --start=FILE:prompt.txt --color=True   # each token coloured by its experts
+    python sample.py --compile=True --temperature=0         # the decoding step compiled
 """
 import os
 import sys
@@ -12,7 +12,8 @@ import time
 import torch
 
 import checkpoint as ckpt_io
-from configurator import configure, device_name, non_empty, non_negative, non_negative_int, one_of, positive_int
+from configurator import (configure, device_name, non_empty, non_negative, non_negative_int,
+                          one_of, positive_int)
 import fast
 from model import GPT, GPTConfig
 from prepare import get_codec
@@ -27,25 +28,83 @@ temperature = 0.8          # 0 = greedy
 sample_top_k = 200         # sample among the most likely tokens only (0 = all)
 seed = 1337
 device = 'auto'
-dtype = 'auto'             # 'auto' (bf16 on GPUs that have it, else float32), 'float32', 'bfloat16', 'float16'
-use_cache = True           # decode with the KV cache and the Expert Cache (False: recompute every step)
-prompt_routing = 'online'  # 'online': the prompt token by token, as generation; 'joint': as one sequence
-compile = False            # compile the cached decoding step (once, then reused; CUDA: replayed as a CUDA graph)
-color = False              # colour each token by the experts it took, mean over MoE layers (paper Fig. 5b)
+dtype = 'auto'             # 'auto' (bf16 on GPUs that have it, else float32), 'float32', ...
+use_cache = True           # the KV cache and the Expert Cache (False: recompute every step)
+prompt_routing = 'online'  # 'online': the prompt token by token, as generation; 'joint': at once
+compile = False            # compile the cached decoding step (CUDA: replayed as a CUDA graph)
+color = False              # colour each token by the experts it took, mean over MoE layers
 # -----------------------------------------------------------------------------
 # what each setting may be (configurator.py), checked before anything runs
-RULES = dict(out_dir=non_empty, start=non_empty, num_samples=positive_int, max_new_tokens=positive_int,
-             temperature=non_negative, sample_top_k=non_negative_int, seed=non_negative_int, device=device_name,
-             dtype=one_of('auto', 'float32', 'bfloat16', 'float16'), prompt_routing=one_of('online', 'joint'))
+RULES = dict(out_dir=non_empty, start=non_empty, num_samples=positive_int,
+             max_new_tokens=positive_int, temperature=non_negative,
+             sample_top_k=non_negative_int, seed=non_negative_int, device=device_name,
+             dtype=one_of('auto', 'float32', 'bfloat16', 'float16'),
+             prompt_routing=one_of('online', 'joint'))
 RELATIONS = [('prompt_routing', lambda c: c['prompt_routing'] == 'online' or c['use_cache'],
               "'online' with --use_cache=False (recomputing would re-route the prompt)"),
              ('compile', lambda c: not c['compile'] or c['use_cache'],
               "False with --use_cache=False (it compiles the cached decoding step)")]
-configure(globals(), sys.argv[1:], RULES, RELATIONS)
 
+
+def main():
+    dev = pick_device_or_fail()
+    run_dtype, ctx = autocast_for(dev, dtype)  # as train.py
+    torch.manual_seed(seed)
+    keep_freed_cpu_memory()  # as train.py: large CPU tensors reuse freed memory
+    model, meta = load_model(out_dir, dev)
+    encode, decode = get_codec(meta)
+    x = torch.tensor(prompt_ids(encode, model.config.block_size), dtype=torch.long,
+                     device=dev)[None, ...]
+    # the step compiled as gpt-fast's generate.py does; eager, every idea in its plain form
+    decoder = fast.compiled_decode(model) if compile else None
+    if compile:  # compiled once by a short greedy generation (no random draws), timed apart
+        t0 = time.time()
+        with ctx:
+            model.generate(x[:, :1], 2, temperature=0, decode=decoder)
+        synchronize(dev)
+        print(f"[compiled the decoding step in {time.time() - t0:.1f} s]")
+    for _ in range(num_samples):
+        experts = ExpertCounts()
+        t0 = time.time()
+        try:
+            with ctx:
+                y = model.generate(x, max_new_tokens, temperature=temperature,
+                                   sample_top_k=sample_top_k or None, use_cache=use_cache,
+                                   prompt_routing=prompt_routing, decode=decoder,
+                                   on_token=experts.add if model.routers() else None)
+        except ValueError as e:
+            fail(e)
+        synchronize(dev)
+        seconds = time.time() - t0
+        per_token = experts.per_token()  # the prompt's and each generated token's
+        if color and per_token:
+            print(colored(y[0].tolist(), per_token, decode, model.config.top_k))
+        else:
+            print(decode(y[0].tolist()))
+        if experts.generated() is not None:
+            print(experts.summary(model.config, 'cached' if use_cache else 'recomputed'))
+        print(f"[{max_new_tokens} tokens in {seconds:.2f} s: {max_new_tokens / seconds:.1f} "
+              f"tokens/s, {'compiled' if compile else 'eager'}, {run_dtype}]")
+        print('---------------')
+
+
+# -----------------------------------------------------------------------------
+# the checkpoint, the prompt, and what generation reports
 
 def fail(message):
     raise SystemExit(f"error: {message}")
+
+
+def pick_device_or_fail():
+    try:
+        return pick_device(device)
+    except ValueError as e:
+        fail(e)
+
+
+def synchronize(dev):  # the clock reads what the GPU has done
+    if device.startswith('cuda'):
+        torch.cuda.synchronize()
 
 
 def load_model(out_dir, device):
@@ -60,6 +119,62 @@ def load_model(out_dir, device):
         fail(f"{ckpt_path} has model settings this code cannot build ({e})")
     ckpt_io.load_weights(model, checkpoint, ckpt_path)
     return model.eval().to(device), checkpoint['meta']
+
+
+def prompt_ids(encode, block_size):
+    """--start (or the file it names) as token ids, or one line saying what to change."""
+    text = start
+    if text.startswith('FILE:'):
+        try:
+            with open(text[5:], encoding='utf-8') as f:
+                text = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            fail(f"--start={text}: cannot read the prompt file "
+                 f"({getattr(e, 'strerror', None) or e})")
+    try:
+        ids = encode(text)
+    except ValueError as e:
+        fail(f"{e}; change --start")
+    if not ids:
+        fail("--start is empty; give at least one character or token")
+    if len(ids) > block_size:
+        fail(f"the prompt is {len(ids)} tokens, longer than the model's context of {block_size}; "
+             f"shorten --start")
+    return ids
+
+
+class ExpertCounts:
+    """The experts each MoE layer gave each token, from generate's on_token: kept on the device
+    (reading them each step would wait on a GPU)."""
+
+    def __init__(self):
+        self.prompt, self.steps = None, []
+
+    def add(self, routing):
+        if self.prompt is None:  # the prompt's tokens, mean over layers
+            self.prompt = torch.stack([mask[0].sum(-1) for mask, _ in routing]).float().mean(0)
+        self.steps.append(torch.stack([mask[0, -1].sum() for mask, _ in routing]))
+
+    def generated(self):
+        """(tokens, layers): every generated token but the last went through the MoE layers."""
+        if len(self.steps) < 2:
+            return None
+        return torch.stack(self.steps[1:]).long().cpu()
+
+    def per_token(self):
+        counts = self.generated()
+        if counts is None:
+            return []
+        return self.prompt.tolist() + counts.float().mean(1).tolist()
+
+    def summary(self, cfg, how):
+        counts = self.generated()
+        hist = torch.bincount(counts.flatten(), minlength=cfg.n_exp + 1).tolist()
+        return (f"[{cfg.router}, top_k={cfg.top_k}, {how}] experts per generated token: mean "
+                f"{counts.float().mean():.2f}, min {counts.min().item()}, max "
+                f"{counts.max().item()}, per layer "
+                f"{[round(v, 2) for v in counts.float().mean(0).tolist()]}, "
+                f"histogram (0..{cfg.n_exp} experts) {hist}")
 
 
 def colored(ids, experts, decode, top_k):
@@ -80,73 +195,5 @@ def colored(ids, experts, decode, top_k):
 
 
 if __name__ == '__main__':
-    try:
-        device = pick_device(device)
-    except ValueError as e:
-        fail(e)
-    dtype, ctx = autocast_for(device, dtype)  # as train.py
-    torch.manual_seed(seed)
-    keep_freed_cpu_memory()  # as train.py and bench.py: large CPU tensors reuse freed memory
-    model, meta = load_model(out_dir, device)
-    encode, decode = get_codec(meta)
-    if start.startswith('FILE:'):
-        try:
-            with open(start[5:], encoding='utf-8') as f:
-                start = f.read()
-        except (OSError, UnicodeDecodeError) as e:
-            fail(f"--start={start}: cannot read the prompt file ({getattr(e, 'strerror', None) or e})")
-    try:
-        start_ids = encode(start)
-    except ValueError as e:
-        fail(f"{e}; change --start")
-    block_size = model.config.block_size
-    if not start_ids:
-        fail("--start is empty; give at least one character or token")
-    if len(start_ids) > block_size:
-        fail(f"the prompt is {len(start_ids)} tokens, longer than the model's context of {block_size}; "
-             f"shorten --start")
-    x = torch.tensor(start_ids, dtype=torch.long, device=device)[None, ...]
-    cfg = model.config
-    sync = torch.cuda.synchronize if device.startswith('cuda') else lambda: None
-    step = fast.compiled_step(model) if compile else None  # compiled as gpt-fast's generate.py does
-    if compile:  # compiled once, by a short greedy generation (it draws no random numbers), timed apart
-        t0 = time.time()
-        with ctx:
-            model.generate(x[:, :1], 2, temperature=0, step=step)
-        sync()
-        print(f"[compiled the decoding step in {time.time() - t0:.1f} s]")
-    for _ in range(num_samples):
-        counts = []  # per step: experts each MoE layer gave the newest token
-        prompt_counts = []  # experts per prompt token, mean over layers
-
-        def count_experts(routing):  # kept on the device: reading them each step would wait on a GPU
-            if not prompt_counts:
-                prompt_counts.append(torch.stack([mask[0].sum(-1) for mask, _ in routing]).float().mean(0))
-            counts.append(torch.stack([mask[0, -1].sum() for mask, _ in routing]))
-        t0 = time.time()
-        try:
-            with ctx:
-                y = model.generate(x, max_new_tokens, temperature=temperature, sample_top_k=sample_top_k or None,
-                                   use_cache=use_cache, prompt_routing=prompt_routing, step=step,
-                                   on_step=count_experts if model.routers() else None)  # a dense GPT routes nothing
-        except ValueError as e:
-            fail(e)
-        sync()
-        seconds = time.time() - t0
-        # every generated token but the last went through the MoE layers as the newest token
-        counts = torch.stack(counts[1:]).long().cpu() if len(counts) > 1 else torch.zeros(0, dtype=torch.long)
-        prompt_counts = prompt_counts[0].tolist() if prompt_counts else []
-        if color and len(counts):
-            print(colored(y[0].tolist(), prompt_counts + counts.float().mean(1).tolist(), decode, cfg.top_k))
-        else:
-            print(decode(y[0].tolist()))
-        if len(counts):
-            hist = torch.bincount(counts.flatten(), minlength=cfg.n_exp + 1).tolist()
-            print(f"[{cfg.router}, top_k={cfg.top_k}, {'cached' if use_cache else 'recomputed'}] "
-                  f"experts per generated token: mean {counts.float().mean():.2f}, "
-                  f"min {counts.min().item()}, max {counts.max().item()}, "
-                  f"per layer {[round(v, 2) for v in counts.float().mean(0).tolist()]}, "
-                  f"histogram (0..{cfg.n_exp} experts) {hist}")
-        print(f"[{max_new_tokens} tokens in {seconds:.2f} s: {max_new_tokens / seconds:.1f} tokens/s, "
-              f"{'compiled' if compile else 'eager'}, {dtype}]")
-        print('---------------')
+    configure(globals(), sys.argv[1:], RULES, RELATIONS)
+    main()

@@ -74,6 +74,32 @@ def summed_histogram(layers):
     return [sum(column) for column in zip(*(layer['experts_hist'] for layer in layers))]
 
 
+class ExpertSpend:
+    """The compute training really spent: the (token, expert) pairs its forwards ran per
+    token-layer routed, over the whole run (a resumed run carries them on; rank 0's share under
+    DDP) and since the last log line; counted on the device, read only when reported."""
+
+    def __init__(self, saved, device):
+        self.pairs = torch.tensor(saved.get('pairs_trained', 0), device=device)
+        self.tokens = saved.get('tokens_trained', 0)
+        self.logged = (int(self.pairs), self.tokens)
+
+    def add(self, routing, n_tokens):  # one training forward's routing, n_tokens per layer
+        if routing:
+            self.pairs += sum(mask.sum() for mask, _ in routing)
+            self.tokens += n_tokens * len(routing)
+
+    def per_token(self):
+        return self.pairs.item() / self.tokens if self.tokens else None
+
+    def since_last_log(self):
+        (pairs, tokens), self.logged = self.logged, (int(self.pairs), self.tokens)
+        return (self.logged[0] - pairs) / (self.tokens - tokens) if self.tokens > tokens else None
+
+    def state(self):  # for the checkpoint
+        return dict(pairs_trained=int(self.pairs), tokens_trained=self.tokens)
+
+
 def start_line(model, device, dtype, batch_size, accumulation, world_size):
     """What a run trains: its routing or dense FFN, parameters, device and global batch."""
     cfg, routers = model.config, model.routers()

@@ -1,15 +1,19 @@
 """
 Decoding as tests: the KV cache and the Expert Cache route and predict exactly as the teacher-forced
-causal pass, cached generation equals full recompute, and a bf16 step reads only the experts it uses.
+causal pass, cached generation equals full recompute, eager generation runs the plain definitions,
+the compiled step gives the eager tokens, and a bf16 step reads only the experts it uses.
 Run: python -m pytest -q
 """
+import functools
+
 import pytest
 import torch
 
+import fast
 from conftest import counting_batches, needs_cuda, trained_tiny
 from cache import Cache
-from fast import compiled_step, dealt
-from router import ROUTERS
+from fast import FAST, compiled_decode, dealt
+from router import ROUTERS, expert_cache_rows, online_seqtopk_token
 
 
 # -----------------------------------------------------------------------------
@@ -72,23 +76,50 @@ def test_a_prompt_routed_jointly_takes_offline_seqtopk_then_decodes_online():
     for (mask_p, _), (mask_o, _) in zip(prompt['routing'], offline['routing']):
         assert torch.equal(mask_p, mask_o)
     assert torch.equal(cache.layers[0].spent, torch.full((2,), 12 * 2))  # exact budget on the prompt
-    _, _, step = model(seq[:, 12:13], cache=cache)
-    assert all(mask.shape == (2, 1, 4) and mask.sum() >= 2 for mask, _ in step['routing'])
+    # then each token is routed by Eq. 7 against the Expert Cache: the prompt's rows, then its own
+    cached = [expert_cache_rows(scores, 1, 4) for _, scores in prompt['routing']]  # max_k = 4
+    alone = []
+    for t in range(12, 20):
+        _, _, step = model(seq[:, t:t + 1], cache=cache)
+        for layer, (mask, scores) in enumerate(step['routing']):
+            want = online_seqtopk_token(scores[:, 0], cached[layer], 2, 1, 4)
+            assert torch.equal(mask[:, 0], want)
+            alone.append(torch.equal(want, online_seqtopk_token(scores[:, 0], cached[layer][:, :0], 2, 1, 4)))
+            cached[layer] = torch.cat([cached[layer], expert_cache_rows(scores, 1, 4)], dim=1)
+    assert not all(alone)  # the cache decided: as first tokens, some would take other experts
 
 
-def test_a_bf16_decoding_step_casts_only_the_experts_it_uses_and_matches_fp32():
+@pytest.mark.parametrize("router", ["seqtopk", "topk"])
+def test_eager_generation_runs_the_plain_definitions_not_fast_py(router, monkeypatch):
+    model = trained_tiny(router)
+    prompt = torch.randint(0, 16, (2, 5), generator=torch.Generator().manual_seed(1))
+    with_fast = model.generate(prompt, 20, temperature=0, fast=FAST)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("eager generation called fast.py")
+    for name in ('online_seqtopk_mask', 'online_mask', 'moe_experts', 'grouped_mm'):
+        monkeypatch.setattr(fast, name, refuse)
+    assert torch.equal(model.generate(prompt, 20, temperature=0), with_fast)  # the same tokens
+
+
+@pytest.mark.parametrize("way", ["plain", "slots"])
+def test_a_bf16_decoding_step_casts_only_the_experts_it_uses_and_matches_fp32(way):
     from torch.profiler import profile
     model = trained_tiny('topk', n_exp=8)  # n_embd = exp_dim = 32: every expert stack is (n_exp, 32, 32)
     prompt = next(counting_batches(seed=3, B=1))[0][:, :12]
+    # the plain textbook loop, or the compiled step's slots (each pair's weights gathered), eagerly
+    paths = None if way == 'plain' else FAST._replace(experts=fast.decode_experts)
     logits = {}
     for dtype in (torch.float32, torch.bfloat16):
         with torch.inference_mode(), torch.autocast('cpu', dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
             cache = Cache(model.config)
             model(prompt, cache=cache)
             with profile(record_shapes=True) as prof:
-                logits[dtype] = model(prompt[:, -1:], cache=cache)[0].float()
+                logits[dtype] = model.decode_token(prompt[:, -1:], cache, fast=paths)[0].float()
     casts = [e.input_shapes[0] for e in prof.events() if e.name == 'aten::_to_copy']
-    assert [2, 32, 32] in casts and [8, 32, 32] not in casts  # the token's top-2 experts, not all 8
+    assert [8, 32, 32] not in casts  # never all 8 experts' matrices
+    if way == 'slots':
+        assert [2, 32, 32] in casts  # the token's top-2, gathered
     want = logits[torch.float32]
     torch.testing.assert_close(logits[torch.bfloat16], want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
 
@@ -109,7 +140,7 @@ def expert_counts(routing, into):
 
 
 # batchtopk's threshold and relu bound no token's experts: their step counts its pairs from the data, and
-# compiles to one graph all the same (compiled_step compiles with fullgraph=True: a graph break raises)
+# compiles to one graph all the same (compiled_decode compiles with fullgraph=True: a graph break raises)
 @pytest.mark.parametrize("router,kw", [("topk", {}), ("seqtopk", {}), ("seqtopk", {'seq_budget': 'strict'}),
                                        ("batchtopk", {}), ("relu", {})])
 def test_compiled_decoding_gives_exactly_the_eager_tokens_and_expert_counts(router, kw):
@@ -119,8 +150,8 @@ def test_compiled_decoding_gives_exactly_the_eager_tokens_and_expert_counts(rout
     runs = {}
     for compile in (False, True):  # 5 + 34 tokens: past block_size=32 the cache starts again, compiled too
         counts = []
-        tokens = model.generate(prompt, 34, temperature=0, step=compiled_step(model) if compile else None,
-                                on_step=lambda r: expert_counts(r, counts))
+        tokens = model.generate(prompt, 34, temperature=0, decode=compiled_decode(model) if compile else None,
+                                on_token=lambda r: expert_counts(r, counts))
         runs[compile] = tokens, counts
     (eager, eager_counts), (compiled, compiled_counts) = runs[False], runs[True]
     assert torch.equal(compiled, eager)
@@ -135,7 +166,8 @@ def test_a_decoding_step_compiles_to_one_graph_with_no_break(router):
     cache = Cache(model.config)
     with torch.inference_mode():
         model(prompt, cache=cache)
-        explanation = torch._dynamo.explain(model.decode_step)(prompt[:, -1:].contiguous(), cache)
+        step = functools.partial(model.decode_token, fast=FAST._replace(experts=fast.decode_experts))
+        explanation = torch._dynamo.explain(step)(prompt[:, -1:].contiguous(), cache)
     assert explanation.graph_break_count == 0 and explanation.graph_count == 1, explanation.break_reasons
 
 
@@ -155,7 +187,21 @@ def test_a_compiled_decoding_step_compiles_once_for_the_whole_generation(router)
     model = trained_tiny(router)
     prompt = torch.randint(0, 16, (2, 5), generator=torch.Generator().manual_seed(1))
     with torch._dynamo.config.patch(error_on_recompile=True):  # the step's graph must not depend on the context
-        model.generate(prompt, 34, temperature=0, step=compiled_step(model))  # past block_size: starts again
+        model.generate(prompt, 34, temperature=0, decode=compiled_decode(model))  # past block_size: starts again
+
+
+def test_compiling_the_decoding_step_leaves_the_model_as_it_was():
+    torch._dynamo.reset()
+    model = trained_tiny('seqtopk')
+    prompt = torch.randint(0, 16, (2, 5), generator=torch.Generator().manual_seed(1))
+    before = {name: dict(vars(module)) for name, module in model.named_modules()}
+    compiled = model.generate(prompt, 10, temperature=0, decode=compiled_decode(model))
+    after = {name: dict(vars(module)) for name, module in model.named_modules()}
+    assert before.keys() == after.keys()
+    for name in before:  # no module attribute swapped from outside: the step passes its paths
+        assert {k: v for k, v in before[name].items() if not k.startswith('_')} == \
+            {k: v for k, v in after[name].items() if not k.startswith('_')}, name
+    assert torch.equal(model.generate(prompt, 10, temperature=0), compiled)
 
 
 @needs_cuda
@@ -164,15 +210,20 @@ def test_cuda_a_compiled_decoding_step_never_waits_on_the_host(router):
     torch._dynamo.reset()
     model = trained_tiny(router).cuda()
     prompt = torch.randint(0, 16, (2, 5), generator=torch.Generator().manual_seed(1)).cuda()
-    cache, step = Cache(model.config), compiled_step(model)
+    eager_cache, cache, step = Cache(model.config), Cache(model.config), compiled_decode(model)
     with torch.inference_mode():
+        model(prompt, cache=eager_cache)
         model(prompt, cache=cache)
-        token = prompt[:, -1:].contiguous()
-        for _ in range(3):  # compile, record the CUDA graph, replay
-            step(token, cache)
+        tokens = torch.randint(0, 16, (4, 2, 1), generator=torch.Generator().manual_seed(2)).cuda()
+        for token in tokens[:3]:  # compile, record the CUDA graph, replay: each a token further
+            want = model.decode_token(token, eager_cache)
+            got = step(token, cache)
+            torch.testing.assert_close(got[0], want[0], rtol=1e-4, atol=1e-4)
+        want = model.decode_token(tokens[3], eager_cache)
         torch.cuda.set_sync_debug_mode('error')  # any host sync raises
         try:
-            logits, routing = step(token, cache)
+            logits, routing = step(tokens[3], cache)
         finally:
             torch.cuda.set_sync_debug_mode(0)
-    assert logits.shape == (2, 1, 16) and len(routing) == 2
+    torch.testing.assert_close(logits, want[0], rtol=1e-4, atol=1e-4)  # what eager decoding gives
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(routing, want[1]))  # the same experts

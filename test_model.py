@@ -1,13 +1,18 @@
 """
-The expert dispatch and the model around it as tests: one path from any routing mask, static shapes
-for the exact budgets, float64 gradients, bf16 experts, whole-model compile, and on a GPU (skipped
-without one) the same in CUDA. Run: python -m pytest -q
+The experts and the model around them as tests: the textbook loop, the sorted dispatch and its
+grouped kernel equal from any routing mask, static shapes for the exact budgets, float64
+gradients, bf16 experts, whole-model compile, and on a GPU (skipped without one) the same in CUDA.
+Run: python -m pytest -q
 """
+from types import SimpleNamespace
+
 import pytest
 import torch
 
+import fast
 from conftest import counting_batches, needs_cuda, tiny_config, train_step
-from experts import decode_experts, moe_experts
+from experts import moe_loop, moe_sorted
+from fast import FAST
 from model import GPT, rotate
 from router import ROUTERS, topk_mask
 
@@ -25,8 +30,14 @@ def naive_moe(x, mask, weights, w_fc, w_proj):
     return out
 
 
-@pytest.mark.parametrize("kernel", [True, False])
-def test_moe_experts_equal_a_per_token_reference_forward_and_gradient(kernel):
+# the textbook loop, the sorted dispatch with a matmul per expert, and with fast.py's grouped kernel
+EXPERTS = dict(textbook=moe_loop,
+               sorted=moe_sorted,
+               grouped=lambda *a, n_pairs=None: moe_sorted(*a, fast.grouped_mm, n_pairs))
+
+
+@pytest.mark.parametrize("way", EXPERTS)
+def test_every_way_to_run_the_experts_equals_a_per_token_reference_forward_and_gradient(way):
     g = torch.Generator().manual_seed(0)
     M, C, H, N = 24, 16, 12, 6
     mask = torch.rand(M, N, generator=g) < 0.35  # 0 to N experts per token; some experts idle
@@ -36,7 +47,7 @@ def test_moe_experts_equal_a_per_token_reference_forward_and_gradient(kernel):
     params = [torch.randn(M, C, generator=g), torch.randn(N, C, H, generator=g) * 0.3,
               torch.randn(N, H, C, generator=g) * 0.3]
     grads = []
-    for fn in (lambda *a: moe_experts(*a[:1], mask, weights, *a[1:], kernel=kernel),
+    for fn in (lambda *a: EXPERTS[way](a[0], mask, weights, a[1], a[2]),
                lambda *a: naive_moe(a[0], mask, weights, a[1], a[2])):
         leaves = [p.clone().requires_grad_() for p in params]
         out = fn(*leaves)
@@ -49,8 +60,8 @@ def test_moe_experts_equal_a_per_token_reference_forward_and_gradient(kernel):
     assert out_a[3].abs().max() == 0  # a token with no expert gets nothing added
 
 
-@pytest.mark.parametrize("kernel", [True, False])
-def test_moe_experts_pass_gradcheck_in_float64(kernel):
+@pytest.mark.parametrize("way", EXPERTS)
+def test_every_way_to_run_the_experts_passes_gradcheck_in_float64(way):
     g = torch.Generator().manual_seed(3)
     M, C, H, N = 9, 4, 3, 5
     mask = torch.rand(M, N, generator=g) < 0.4
@@ -60,8 +71,8 @@ def test_moe_experts_pass_gradcheck_in_float64(kernel):
               torch.randn(N, C, H, generator=g, dtype=torch.float64).requires_grad_(),
               torch.randn(N, H, C, generator=g, dtype=torch.float64).requires_grad_()]
     for n_pairs in (None, int(mask.sum())):  # the dynamic and the static (exact budget) paths
-        assert torch.autograd.gradcheck(lambda x, w, fc, proj: moe_experts(x, mask, w, fc, proj, n_pairs, kernel),
-                                        inputs)
+        run = EXPERTS[way] if way == 'textbook' else lambda *a: EXPERTS[way](*a, n_pairs=n_pairs)
+        assert torch.autograd.gradcheck(lambda x, w, fc, proj: run(x, mask, w, fc, proj), inputs)
 
 
 def test_a_float64_model_trains_a_step():
@@ -70,7 +81,7 @@ def test_a_float64_model_trains_a_step():
     x, y = next(counting_batches())
     before = [p.detach().clone() for p in model.parameters()]
     opt = model.configure_optimizers(0.0, 1e-3, (0.9, 0.99), 'cpu')
-    _, ce, aux = model(x, y)
+    _, ce, aux = model(x, y, fast=FAST)
     (ce + aux['aux_loss']).backward()
     opt.step()
     assert ce.dtype == torch.float64 and torch.isfinite(ce)
@@ -96,8 +107,8 @@ def test_an_expert_width_the_grouped_kernel_cannot_take_falls_back_to_a_matmul_p
     mask = torch.rand(M, N, generator=g) < 0.5
     weights = torch.rand(M, N, generator=g) * mask
     x, w_fc, w_proj = torch.randn(M, C, generator=g), torch.randn(N, C, H, generator=g), torch.randn(N, H, C, generator=g)
-    torch.testing.assert_close(moe_experts(x, mask, weights, w_fc, w_proj), naive_moe(x, mask, weights, w_fc, w_proj),
-                               rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(EXPERTS['grouped'](x, mask, weights, w_fc, w_proj),
+                               naive_moe(x, mask, weights, w_fc, w_proj), rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("slots", [3, 4])
@@ -111,17 +122,16 @@ def test_a_decoding_step_s_experts_equal_the_reference(slots):
     weights = torch.rand(M, N, generator=g) * mask
     x, w_fc, w_proj = torch.randn(M, C, generator=g), torch.randn(N, C, H, generator=g), torch.randn(N, H, C, generator=g)
     with torch.inference_mode():
-        out = decode_experts(x, mask, weights, w_fc, w_proj, slots)
+        out = fast.slot_experts(x, *fast.slot_pairs(mask, weights, slots), w_fc, w_proj)
     torch.testing.assert_close(out, naive_moe(x, mask, weights, w_fc, w_proj), rtol=1e-4, atol=1e-5)
     assert out[2].abs().max() == 0
 
 
 @pytest.mark.parametrize("cpu_op", [True, False])
-@pytest.mark.parametrize("budget,most_taken", [(None, 3), (2, 3), (2, 2), (3, 3)])
-def test_the_compiled_cpu_step_s_experts_equal_the_reference(budget, most_taken, cpu_op, monkeypatch):
-    # fast.py: the C++ op runs only the slots taken; without it the slots past the budget run only when
+@pytest.mark.parametrize("top_k,most_taken", [(4, 3), (2, 3), (2, 2), (3, 3)])
+def test_the_compiled_cpu_step_s_experts_equal_the_reference(top_k, most_taken, cpu_op, monkeypatch):
+    # fast.py: the C++ op runs only the slots taken; without it the slots past top_k run only when
     # a token takes one (torch.cond): either way they add up as the reference does
-    import fast
     if cpu_op and not fast.built_cpu_kernel():
         pytest.skip("experts_cpu.cpp cannot be built here (no C++ compiler or ninja)")
     monkeypatch.setattr(fast, 'cpu_kernel', lambda: cpu_op)
@@ -131,8 +141,9 @@ def test_the_compiled_cpu_step_s_experts_equal_the_reference(budget, most_taken,
     mask[0, [1, 6, 2][:most_taken]] = mask[1, 6] = True  # 3 (or 2) experts, 1 expert, and none at all
     weights = torch.rand(M, N, generator=g) * mask
     x, w_fc, w_proj = torch.randn(M, C, generator=g), torch.randn(N, C, H, generator=g), torch.randn(N, H, C, generator=g)
+    moe = SimpleNamespace(w_fc=w_fc, w_proj=w_proj, config=SimpleNamespace(top_k=top_k))
     with torch.inference_mode():
-        out = fast.cpu_experts(x, mask, weights, w_fc, w_proj, slots=4, budget=budget)
+        out = fast.decode_experts(x, mask, weights, moe, True, slots=4, cpu=True)
     torch.testing.assert_close(out, naive_moe(x, mask, weights, w_fc, w_proj), rtol=1e-4, atol=1e-5)
     assert out[2].abs().max() == 0
 
@@ -140,7 +151,6 @@ def test_the_compiled_cpu_step_s_experts_equal_the_reference(budget, most_taken,
 def test_where_the_cpu_op_cannot_be_built_the_step_says_so_once_and_keeps_inductors_slots(monkeypatch):
     import subprocess
     from torch.utils import cpp_extension
-    import fast
 
     def no_compiler(*args, **kwargs):
         raise subprocess.CalledProcessError(1, ['ninja', '-v'])
@@ -167,11 +177,11 @@ def test_the_exact_budgets_dispatch_with_static_shapes_equal_to_the_dynamic_path
     model = GPT(tiny_config(router))
     x, y = next(counting_batches(seed=7))
     # topk, mrltopk, seqtopk and batchtopk in training know their B*T*k pairs before routing ...
-    assert [b.ffn.router.pairs(x.numel(), False) for b in model.transformer.h] == [x.numel() * 2] * 2
-    static = train_step(model, x, y)
+    assert [b.ffn.router.n_pairs(x.numel(), False) for b in model.transformer.h] == [x.numel() * 2] * 2
+    static = train_step(model, x, y, fast=FAST)
     # ... and give the same loss and gradients as the path that counts the pairs (relu's)
-    monkeypatch.setattr(ROUTERS[router], 'pairs', lambda self, n_tokens, online: None)
-    dynamic = train_step(model, x, y)
+    monkeypatch.setattr(ROUTERS[router], 'n_pairs', lambda self, n_tokens, online: None)
+    dynamic = train_step(model, x, y, fast=FAST)
     assert torch.equal(static[0], dynamic[0])
     for a, b in zip(static[1], dynamic[1]):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
@@ -183,9 +193,9 @@ def test_a_training_step_of_the_exact_budgets_never_waits_on_a_data_dependent_si
     torch.manual_seed(0)
     model = GPT(tiny_config(router))
     x, y = next(counting_batches(seed=7))
-    train_step(model, x, y)
+    train_step(model, x, y, fast=FAST)
     with profile() as prof:
-        train_step(model, x, y)
+        train_step(model, x, y, fast=FAST)
     def caller(event):
         return event.cpu_parent.name if event.cpu_parent is not None else None
     # no nonzero (nonzero_static, given the size, never asks), no .item() or int() (the CPU grouped kernel
@@ -197,7 +207,8 @@ def test_a_training_step_of_the_exact_budgets_never_waits_on_a_data_dependent_si
     assert sum(e.name == 'aten::_grouped_mm' for e in prof.events()) == 6 * model.config.n_layer
 
 
-def test_under_bf16_autocast_the_experts_run_in_bf16_and_match_fp32():
+@pytest.mark.parametrize("paths", [None, FAST], ids=['plain', 'fast'])
+def test_under_bf16_autocast_the_experts_run_in_bf16_and_match_fp32(paths):
     from model import MoE
     torch.manual_seed(0)
     moe = MoE(tiny_config('seqtopk', n_exp=8, top_k=2, exp_dim=64))
@@ -208,7 +219,7 @@ def test_under_bf16_autocast_the_experts_run_in_bf16_and_match_fp32():
     for dtype in (torch.float32, torch.bfloat16):
         moe.zero_grad()
         with torch.autocast('cpu', dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
-            y, _, (mask, scores) = moe(x)
+            y, _, (mask, scores) = moe(x, fast=paths)
         assert y.dtype == dtype and scores.dtype == torch.float32  # the router stays fp32
         y.float().square().sum().backward()
         outputs.append((y.float(), mask, moe.w_fc.grad.clone(), moe.w_proj.grad.clone()))
@@ -235,7 +246,7 @@ def test_the_training_forward_compiles_to_one_graph_with_no_break(router, dtype)
     model = GPT(tiny_config(router))
     x, y = next(counting_batches())
     with torch.autocast('cpu', dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
-        explanation = torch._dynamo.explain(model)(x, y)
+        explanation = torch._dynamo.explain(model)(x, y, fast=FAST)
     assert explanation.graph_break_count == 0 and explanation.graph_count == 1, explanation.break_reasons
 
 
@@ -250,7 +261,8 @@ def test_cuda_bf16_dispatch_equals_the_fp32_reference_forward_and_gradient():
     results = []
     for device, dtype in (('cpu', torch.float32), ('cuda', torch.bfloat16)):
         leaves = [p.to(device, dtype).detach().requires_grad_() for p in params]  # fresh leaves each pass
-        out = moe_experts(leaves[0], mask.to(device), weights.to(device, dtype), *leaves[1:], n_pairs=M * 2)
+        out = EXPERTS['grouped'](leaves[0], mask.to(device), weights.to(device, dtype), *leaves[1:],
+                                 n_pairs=M * 2)
         out.float().square().sum().backward()
         results.append([t.detach().float().cpu() for t in (out, *[p.grad for p in leaves])])
     for got, want in zip(results[1], results[0]):
@@ -265,34 +277,41 @@ def test_cuda_bf16_training_step_compiles_to_one_graph_and_never_syncs(router):
     model = GPT(tiny_config(router)).cuda()
     x, y = (t.cuda() for t in next(counting_batches()))
     with torch.autocast('cuda', dtype=torch.bfloat16):
-        explanation = torch._dynamo.explain(model)(x, y)
+        explanation = torch._dynamo.explain(model)(x, y, fast=FAST)
         assert explanation.graph_break_count == 0, explanation.break_reasons
-        train_step(model, x, y)  # warm-up
+        train_step(model, x, y, fast=FAST)  # warm-up
         torch.cuda.set_sync_debug_mode('error')  # any host sync raises
         try:
-            train_step(model, x, y)
+            train_step(model, x, y, fast=FAST)
         finally:
             torch.cuda.set_sync_debug_mode(0)
 
 
-def test_a_compiled_mrltopk_forward_draws_its_budgets_in_any_model_compiled_after_another():
+def test_a_compiled_mrltopk_forward_draws_its_ks_in_any_model_compiled_after_another():
     # the second model's layer count differs from the first's, so torch makes it symbolic in the recompiled
     # forward, where randint cannot take a symbolic size (bench.py compiles its default, then its larger model)
     torch._dynamo.reset()
     x, y = next(counting_batches())
     for n_layer in (2, 3):
-        model = GPT(tiny_config('mrltopk', n_layer=n_layer))
-        _, ce, _ = torch.compile(model)(x, y)
-        assert torch.isfinite(ce)
+        torch.manual_seed(n_layer)
+        model = GPT(tiny_config('mrltopk', n_exp=8, top_k=8, n_layer=n_layer))
+        runs = []
+        for forward in (model, torch.compile(model)):
+            torch.manual_seed(10 + n_layer)  # the same draws for the eager and the compiled forward
+            _, ce, aux = forward(x, y, fast=FAST)
+            runs.append((ce, [int(mask.sum(-1).unique()) for mask, _ in aux['routing']]))
+        (eager, eager_ks), (compiled, compiled_ks) = runs
+        assert compiled_ks == eager_ks and set(eager_ks) <= {2, 4, 8}  # each layer its drawn k
+        assert compiled.item() == pytest.approx(eager.item(), rel=1e-5)
 
 
 @pytest.mark.parametrize("router", ROUTERS)
-def test_torch_compile_trains_with_every_router_like_eager(router):
+def test_torch_compile_trains_with_every_router_like_the_plain_eager_model(router):
     torch.manual_seed(0)
     model = GPT(tiny_config(router))
     x, y = next(counting_batches())
-    _, eager_ce, _ = model(x, y)
-    _, ce, aux = torch.compile(model)(x, y)
+    _, eager_ce, _ = model(x, y)  # every idea in its plain form
+    _, ce, aux = torch.compile(model)(x, y, fast=FAST)
     (ce + aux['aux_loss']).backward()
     assert ce.item() == pytest.approx(eager_ce.item(), rel=1e-4)
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)

@@ -12,8 +12,9 @@ import torch
 from conftest import counting_batches, random_scores, tiny_config, train_tiny
 from model import GPT, GPTConfig
 import fast
-from router import (ROUTERS, Router, expert_cache_rows, mrltopk_budgets, mrltopk_draw,
-                    online_seqtopk_mask, seqtopk_mask, switch_balance, top_entries, topk_mask)
+from router import (ROUTERS, Router, expert_cache_rows, mrltopk_draw, mrltopk_ks,
+                    online_seqtopk_mask, online_seqtopk_token, seqtopk_mask, switch_balance,
+                    top_entries, topk_mask)
 
 
 # -----------------------------------------------------------------------------
@@ -27,14 +28,14 @@ def test_topk_takes_exactly_k_experts_per_token():
     assert (scores.masked_fill(~mask, 2).amin(-1) >= scores.masked_fill(mask, -1).amax(-1)).all()
 
 
-@pytest.mark.parametrize("k,budgets", [(8, [2, 4, 8]), (4, [2, 4]), (2, [2]), (1, [1]), (6, [2, 4, 6]),
-                                       (12, [2, 4, 8, 12]), (64, [2, 4, 8, 16, 32, 64])])
-def test_mrltopk_draws_from_the_powers_of_two_up_to_k_plus_k_itself(k, budgets):
-    assert mrltopk_budgets(k) == budgets
+@pytest.mark.parametrize("k,ks", [(8, [2, 4, 8]), (4, [2, 4]), (2, [2]), (1, [1]), (6, [2, 4, 6]),
+                                  (12, [2, 4, 8, 12]), (64, [2, 4, 8, 16, 32, 64])])
+def test_mrltopk_draws_from_the_powers_of_two_up_to_k_plus_k_itself(k, ks):
+    assert mrltopk_ks(k) == ks
     draws = mrltopk_draw(k, 3000, torch.Generator().manual_seed(0))
     assert len(draws) == 3000 and all(isinstance(d, int) for d in draws)  # plain ints: static shapes
-    counts = np.array([draws.count(b) for b in budgets])
-    assert counts.sum() == 3000 and (abs(counts / 3000 - 1 / len(budgets)) < 0.04).all()  # uniform
+    counts = np.array([draws.count(b) for b in ks])
+    assert counts.sum() == 3000 and (abs(counts / 3000 - 1 / len(ks)) < 0.04).all()  # uniform
     assert draws == mrltopk_draw(k, 3000, torch.Generator().manual_seed(0))  # reproducible from the seed
 
 
@@ -111,15 +112,13 @@ def test_seqtopk_is_deterministic_under_ties():
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_the_fast_top_entries_is_the_stable_top_n(seed):
-    from router import top_entries
+def test_top_entries_is_the_stable_top_n_ties_to_the_earlier(seed):
     g = torch.Generator().manual_seed(seed)
     for values in (torch.randn(3, 50, generator=g), torch.randint(0, 4, (3, 50), generator=g).float()):
         for n in (0, 1, 7, 25, 50):
             reference = torch.zeros_like(values, dtype=torch.bool)
             reference.scatter_(-1, values.sort(dim=-1, descending=True, stable=True).indices[:, :n], True)
             assert torch.equal(top_entries(values, n), reference)
-            assert torch.equal(fast.top_entries(values, n), reference)
 
 
 def test_seqtopk_on_a_single_token_is_topk():
@@ -144,12 +143,33 @@ def test_unknown_router_is_a_clear_error():
 # -----------------------------------------------------------------------------
 # online SeqTopK: each token against the tokens before it
 
-def test_online_seqtopk_routes_token_m_as_seqtopk_over_tokens_1_to_m():
-    scores = random_scores(2, 6, 8, seed=3)
-    mask = online_seqtopk_mask(scores, 2)
-    for m in range(1, 7):  # Eq. (7): token m's row of SeqTopK over tokens 1..m
-        assert torch.equal(mask[:, m - 1], seqtopk_mask(scores[:, :m], 2)[:, m - 1])
-    assert (mask.sum(-1) >= 1).all() and (mask.sum(-1) <= 4).all()
+@pytest.mark.parametrize("k,min_k,max_k", [(2, 1, None), (2, 0, 8), (3, 1, 8), (2, 2, 2), (4, 1, 5)])
+@pytest.mark.parametrize("ties", [False, True])
+def test_online_seqtopk_routes_token_m_as_seqtopk_over_tokens_1_to_m(k, min_k, max_k, ties):
+    scores = random_scores(3, 12, 8, seed=3, ties=ties)
+    mask = online_seqtopk_mask(scores, k, min_k, max_k)
+    for m in range(1, 13):  # Eq. (7): token m's row of SeqTopK over tokens 1..m
+        assert torch.equal(mask[:, m - 1], seqtopk_mask(scores[:, :m], k, min_k, max_k)[:, m - 1])
+    low, high = min_k, max_k or k + 2
+    assert (mask.sum(-1) >= low).all() and (mask.sum(-1) <= high).all()
+
+
+@pytest.mark.parametrize("ties", [False, True])
+def test_the_expert_cache_is_all_a_new_token_needs_to_be_routed_online(ties):
+    # token m against the Expert Cache of tokens 1..m-1 (each token's ranks min_k..max_k-1 only)
+    # takes what it would take against their whole scores: SeqTopK's last row over tokens 1..m
+    for k, min_k, max_k in [(2, 1, 4), (2, 0, 8), (3, 2, 5)]:
+        scores = random_scores(2, 10, 8, seed=k + min_k, ties=ties)
+        for m in range(1, 11):
+            cached = expert_cache_rows(scores[:, :m - 1], min_k, max_k)  # (B, m-1, R)
+            assert cached.shape == (2, m - 1, max_k - min_k)
+            row = online_seqtopk_token(scores[:, m - 1], cached, k, min_k, max_k)
+            assert torch.equal(row, seqtopk_mask(scores[:, :m], k, min_k, max_k)[:, -1])
+    # earlier tokens win ties: after a token of the same scores, token 2's share of the budget
+    # beyond the floors (2 x (k - min_k) = 2) goes to the cached candidates, which come first
+    even = torch.full((1, 8), 1 / 8)
+    row = online_seqtopk_token(even, expert_cache_rows(even[:, None], 1, 4), 2, 1, 4)
+    assert row.sum() == 1
 
 
 @pytest.mark.parametrize("strict", [False, True])
@@ -404,8 +424,8 @@ def test_a_new_router_is_one_function_a_small_class_and_a_row_in_the_table(monke
         chosen = (first + torch.arange(k)) % scores.shape[-1]
         return torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, chosen, True)
     class Rotating(Router):
-        def select(self, scores, cache, online):
-            return rotating_mask(scores, self.budget())
+        def select(self, scores, cache, online, fast):
+            return rotating_mask(scores, self.current_k())
     monkeypatch.setitem(ROUTERS, 'rotating', Rotating)
     torch.manual_seed(0)
     model = GPT(tiny_config('rotating'))

@@ -19,7 +19,10 @@ from conftest import OFFLINE_ENV, REPO, TINY, exit_message, one_error_line, run
 # settings
 
 def numeric_settings(script):
-    """The int and float settings at the top of a script (module-level constants before apply_overrides)."""
+    """The int and float settings of a script: the module-level constants before configure(), and
+    for train.py the model's (every field of GPTConfig but vocab_size, which the data gives)."""
+    from dataclasses import fields
+    from model import GPTConfig
     names = []
     for node in ast.parse(open(os.path.join(REPO, script)).read()).body:
         if 'configure(' in ast.unparse(node):
@@ -27,6 +30,8 @@ def numeric_settings(script):
         if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant) and \
                 type(node.value.value) in (int, float):
             names += [target.id for target in node.targets]
+    if script == 'train.py':
+        names += [f.name for f in fields(GPTConfig) if f.type in (int, float) and f.name != 'vocab_size']
     return names
 
 
@@ -83,7 +88,7 @@ def test_bad_settings_fail_with_one_line_before_out_dir_is_looked_at(workdir, ar
 
 def test_a_bad_setting_is_one_line_on_stderr_and_no_traceback(workdir):
     line = one_error_line(run('train.py', '--out_dir=run', '--router=seqtop', cwd=workdir))
-    assert line == "error: --router=seqtop must be one of topk, mrltopk, seqtopk, batchtopk, relu"
+    assert line == "error: --router=seqtop must be one of topk, mrltopk, seqtopk, batchtopk, relu, windowtopk"
     assert not (workdir / 'nothing').exists()
     assert one_error_line(run('train.py', '--out_dir=nothing', '--n_exp=many', cwd=workdir)) == \
         "error: --n_exp=many must be an integer"
