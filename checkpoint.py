@@ -10,8 +10,10 @@ import json
 import os
 import re
 import socket
+import subprocess
 import sys
 import time
+import uuid
 import warnings
 from contextlib import suppress
 from dataclasses import fields
@@ -33,6 +35,25 @@ ROUTING_KEYS = set(MODEL_KEYS) - ARCHITECTURE
 # from before routers kept only theirs) has others; a router starts those it lacks afresh
 ROUTER_STATE = tuple(f'.router.{name}' for name in (
     'threshold', 'l1_coef', 'active_sum', 'active_count', 'expert_bias', 'expert_load'))
+
+
+def code_version():
+    """The commit of this code ('1a2b3c4', '+dirty' with uncommitted changes), None outside git."""
+    def git(*args):
+        return subprocess.run(['git', '-C', os.path.dirname(os.path.abspath(__file__)), *args],
+                              capture_output=True, text=True, timeout=30)
+    try:
+        commit = git('rev-parse', '--short', 'HEAD')
+        if commit.returncode:
+            return None
+        dirty = git('status', '--porcelain', '--untracked-files=no').stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return commit.stdout.strip() + ('+dirty' if dirty else '')
+
+
+def new_run_id():  # what names one run in its log, its checkpoint and a sweep's table
+    return uuid.uuid4().hex[:12]
 
 
 def non_finite(state_dict):
@@ -94,11 +115,11 @@ def read_log(path):
     return records
 
 
-def lock_holder(out_dir):
-    """Who holds out_dir's lock ('pid P on host H, since T'), or None: no lock, or one left by a
+def lock_holder(folder, name='run.lock'):
+    """Who holds a folder's lock ('pid P on host H, since T'), or None: no lock, or one left by a
     process that is gone. On another host a process cannot be looked at: its lock counts as held."""
     try:
-        with open(os.path.join(out_dir, LOCK)) as f:
+        with open(os.path.join(folder, name)) as f:
             holder = json.load(f)
         pid, host = int(holder['pid']), str(holder['host'])
     except (OSError, ValueError, KeyError, TypeError):
@@ -118,6 +139,30 @@ def lock_holder(out_dir):
 LOCK = 'run.lock'  # in out_dir while a run writes there: its pid, host and start
 
 
+def hold(folder, name, what, refused):
+    """Hold folder for this process (a 'run', a 'sweep') until it exits with a lock file `name` (its
+    pid, host and start): SystemExit(refused(folder)) when a live process holds it; a lock left by
+    one that is gone (killed) is taken over, with a note."""
+    path = os.path.join(folder, name)
+    if os.path.exists(path) and not lock_holder(folder, name):
+        print(f"note: {path} was left by a {what} that is gone; taking it over")
+        with suppress(OSError):
+            os.remove(path)
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        raise SystemExit(f"error: {refused(folder)}") from None
+    with os.fdopen(fd, 'w') as f:
+        json.dump(dict(pid=os.getpid(), host=socket.gethostname(),
+                       since=time.strftime('%Y-%m-%d %H:%M:%S'), argv=sys.argv), f)
+
+    def release():
+        if lock_holder(folder, name) is None:  # ours (or gone): never another live process's
+            with suppress(OSError):
+                os.remove(path)
+    atexit.register(release)
+
+
 class RunFiles:
     """out_dir's log.jsonl and ckpt.pt as a run writes them (rank 0): lines appended whole, checkpoints
     saved atomically. The first write the file system refuses (disk full, quota, I/O error) is kept in
@@ -132,30 +177,11 @@ class RunFiles:
         self.error = None
 
     def claim(self, lock=True):
-        """Make out_dir and (rank 0: lock=True) hold it for this run until the process exits: a lock
-        file with its pid and host. SystemExit naming the live run that holds it; a lock left by a
-        process that is gone (killed) is taken over, with a note."""
+        """Make out_dir and (rank 0: lock=True) hold it for this run until the process exits
+        (hold: a live run's lock is refused in one line, a gone run's taken over)."""
         os.makedirs(self.out_dir, exist_ok=True)
-        path = os.path.join(self.out_dir, LOCK)
-        if not lock:
-            return
-        if os.path.exists(path) and not lock_holder(self.out_dir):
-            print(f"note: {path} was left by a run that is gone; taking it over")
-            with suppress(OSError):
-                os.remove(path)
-        try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-        except FileExistsError:
-            raise SystemExit(f"error: --out_dir={self.out_dir} {in_use(self.out_dir)}") from None
-        with os.fdopen(fd, 'w') as f:
-            json.dump(dict(pid=os.getpid(), host=socket.gethostname(), since=time.strftime('%Y-%m-%d %H:%M:%S'),
-                           argv=sys.argv), f)
-        atexit.register(self.release)
-
-    def release(self):
-        if lock_holder(self.out_dir) is None:  # ours (or gone): never another live run's
-            with suppress(OSError):
-                os.remove(os.path.join(self.out_dir, LOCK))
+        if lock:
+            hold(self.out_dir, LOCK, 'run', lambda folder: f"--out_dir={folder} {in_use(folder)}")
 
     def new_log(self):
         with suppress(FileNotFoundError):
@@ -287,12 +313,19 @@ def load_to_continue(source, resume, model_args, overridden, meta, data_dir, qui
         raise ValueError(f"--init_from=resume but there is no checkpoint at {source}; start the run with "
                          f"--init_from=scratch, or give the --out_dir of the run to continue")
     state = ('optimizer', 'iter_num', 'best_val_loss', 'batch_gen_state', 'torch_rng_state')
-    checkpoint = load(source, ('model', 'model_args') + (state if resume else ()), quiet=quiet)
+    checkpoint = load(source, ('model', 'model_args', 'meta') + (state if resume else ()), quiet=quiet)
     model_args = merged_args(checkpoint['model_args'], model_args, overridden, ROUTING_KEYS, source)
     if checkpoint['model_args'].get('vocab_size') != meta['vocab_size']:
         raise ValueError(f"{source} has vocab_size={checkpoint['model_args'].get('vocab_size')}, but {data_dir} "
                          f"has {meta['vocab_size']}; use the dataset it was trained on "
                          f"(--dataset={checkpoint.get('dataset')})")
+    saved = checkpoint['meta']
+    if (saved.get('tokenizer'), saved.get('itos')) != (meta['tokenizer'], meta.get('itos')):
+        what = (f"its tokenizer is {saved.get('tokenizer')}, the data's {meta['tokenizer']}"
+                if saved.get('tokenizer') != meta['tokenizer'] else
+                f"the same {meta['vocab_size']} ids stand for other characters")
+        raise ValueError(f"{source} was trained on another vocabulary than {data_dir}'s ({what}); use "
+                         f"the dataset it was trained on (--dataset={checkpoint.get('dataset')})")
     return checkpoint, model_args
 
 

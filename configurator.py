@@ -15,6 +15,7 @@ anything runs and stops at the first bad value with one line, e.g.
 The model's own settings are checked by model.GPTConfig.validate, with the same vocabulary
 (MODEL_RULES, at the end).
 """
+import ast
 import difflib
 import math
 import os
@@ -150,6 +151,19 @@ def check(config, rules, relations=()):
     for key, test, allowed in relations:
         if not test(config):
             stop(key, allowed.format(**config))
+
+
+def script_settings(path, args=()):
+    """The settings `python path args` would run with, without running it: the script's module-level
+    values before it calls configure() (its own code, nothing from elsewhere), then the args."""
+    body = ast.parse(open(path).read(), path).body
+    head = ast.Module(body[:next(i for i, node in enumerate(body)
+                                 if 'configure(' in ast.unparse(node))], [])
+    namespace = {'__name__': 'settings_of_' + os.path.basename(path), '__file__': path}
+    exec(compile(head, path, 'exec'), namespace)
+    apply_overrides(namespace, list(args))
+    return {k: namespace[k] for k in sorted(namespace) if not k.startswith('_') and
+            isinstance(namespace[k], (int, float, bool, str))}
 
 
 def configure(config, args, rules, relations=()):

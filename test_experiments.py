@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from conftest import TINY, run  # the scripts as subprocesses, networking off, one thread
+from conftest import TINY, one_error_line, run  # the scripts as subprocesses, offline, one thread
 
 
 # -----------------------------------------------------------------------------
@@ -237,3 +237,71 @@ def test_an_interrupted_sweep_stops_its_runs_and_the_same_command_resumes_them(w
     records = [json.loads(line) for line in log.read_text().splitlines()]
     assert [r['iter'] for r in records if r['event'] == 'train'] == list(range(1, 301))  # no step twice
     assert json.load(open(workdir / 'stopped' / 'sweep.json'))['rows']
+
+
+# -----------------------------------------------------------------------------
+# reruns that could mix: a sweep reuses a run only as it would make it now, one sweep an out_root
+
+def test_a_sweep_reuses_a_run_only_if_it_was_made_with_the_settings_it_would_give_it_now(workdir):
+    import shutil
+    args = ['--out_root=same', '--routers=topk,seqtopk', '--top_ks=2', '--seeds=1', '--max_iters=4',
+            f'--train_args={TINY} --n_exp=4 --exp_dim=16 --eval_interval=4']
+    first = run('sweep.py', *args, cwd=workdir)
+    assert first.returncode == 0, first.stderr
+    assert 'runs made at commit ' in first.stdout
+    shutil.copy(workdir / 'same' / 'sweep.json', workdir / 'old_sweep.json')
+    log = workdir / 'same' / 'topk-k2-s1' / 'log.jsonl'
+    # a setting the run's log lacks (added to the code since), at its default: still the same run
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    for record in records:
+        record.get('config', {}).pop('k_schedule', None)
+    log.write_text(''.join(json.dumps(r) + '\n' for r in records))
+    assert run('sweep.py', *args, cwd=workdir).returncode == 0
+    # other settings: max_iters, train_args, a code default (rope, recorded as before it changed)
+    for record in records:
+        record.get('config', {}).update(rope=False)
+    log.write_text(''.join(json.dumps(r) + '\n' for r in records))
+    changed = run('sweep.py', *args, '--max_iters=6', cwd=workdir)
+    line = one_error_line(changed)
+    assert "2 run(s) in same were made with other settings (above); run them again with " \
+           "--rerun_changed=True, or give another --out_root" in line
+    assert "same/topk-k2-s1 was made with other settings: max_iters 4 -> 6; rope False -> True" in changed.stdout
+    assert "same/seqtopk-k2-s1 was made with other settings: max_iters 4 -> 6\n" in changed.stdout
+    assert json.load(open(workdir / 'same' / 'sweep.json'))['max_iters'] == 4  # no table of mixed runs
+    again = run('sweep.py', *args, '--max_iters=6', '--rerun_changed=True', cwd=workdir)
+    assert again.returncode == 0, again.stderr
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    assert records[0]['event'] == 'start' and records[-1]['iter'] == 6  # trained again from scratch
+    assert json.load(open(workdir / 'same' / 'sweep.json'))['max_iters'] == 6
+    # figures from the old sweep.json would mix its table with the runs there now: refused
+    shutil.copy(workdir / 'old_sweep.json', workdir / 'same' / 'old.json')
+    line = one_error_line(run('plot.py', '--sweep=same/old.json', '--out=figs', cwd=workdir))
+    assert "topk-k2-s1 is not the run its sweep.json was made from (it was trained again since)" in line
+    assert run('plot.py', '--sweep=same/sweep.json', '--out=figs', cwd=workdir).returncode == 0
+
+
+def test_a_second_sweep_into_a_live_sweep_s_out_root_is_refused_and_the_first_finishes_whole(workdir):
+    import subprocess
+    import sys
+    import time
+    from conftest import OFFLINE_ENV, REPO
+    args = ['--out_root=locked', '--routers=topk', '--top_ks=2', '--seeds=1,2', '--max_iters=60',
+            f'--train_args={TINY} --n_exp=4 --eval_interval=60']
+    first = subprocess.Popen([sys.executable, os.path.join(REPO, 'sweep.py'), *args], cwd=workdir, env=OFFLINE_ENV,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not (workdir / 'locked' / 'sweep.lock').exists() and time.time() < deadline:
+        time.sleep(0.1)
+    line = one_error_line(run('sweep.py', *args, cwd=workdir))
+    assert line.startswith(f"error: --out_root=locked is in use by a live sweep (pid {first.pid} on host ")
+    out, err = first.communicate(timeout=300)
+    assert first.returncode == 0, err
+    assert 'wrote locked/sweep.json' in out and len(json.load(open(workdir / 'locked' / 'sweep.json'))['runs']) == 2
+    assert not (workdir / 'locked' / 'sweep.lock').exists()
+    # a lock left by a sweep that is gone (killed): taken over, with a note
+    gone = subprocess.run([sys.executable, '-c', 'import os; print(os.getpid())'], capture_output=True, text=True)
+    import socket
+    (workdir / 'locked' / 'sweep.lock').write_text(json.dumps(dict(pid=int(gone.stdout), host=socket.gethostname())))
+    again = run('sweep.py', *args, cwd=workdir)
+    assert again.returncode == 0, again.stderr
+    assert "note: locked/sweep.lock was left by a sweep that is gone; taking it over" in again.stdout

@@ -225,13 +225,18 @@ def test_a_run_killed_while_saving_leaves_a_loadable_checkpoint(workdir):
 def test_a_damaged_data_folder_is_one_line_naming_the_file_and_the_command_that_rebuilds_it(workdir, tmp_path):
     import pickle
     good = workdir / 'data' / 'shakespeare_char'
+
+    def older(folder, content):  # a folder written before meta.json: its meta.pkl
+        os.remove(folder / 'meta.json')
+        (folder / 'meta.pkl').write_bytes(content)
     cases = {  # folder name -> (how to damage a copy of the built-in data, what the line must say)
         'truncated': (lambda d: os.truncate(d / 'train.bin', os.path.getsize(d / 'train.bin') - 1),
                       'train.bin is 8619291 bytes, not a whole number of uint16 tokens'),
-        'no_meta': (lambda d: os.remove(d / 'meta.pkl'), 'meta.pkl is missing'),
+        'no_meta': (lambda d: os.remove(d / 'meta.json'), 'meta.json is missing'),
         'no_val': (lambda d: os.remove(d / 'val.bin'), 'val.bin is missing'),
-        'garbage_meta': (lambda d: (d / 'meta.pkl').write_bytes(os.urandom(64)), 'meta.pkl cannot be read'),
-        'foreign_meta': (lambda d: (d / 'meta.pkl').write_bytes(pickle.dumps({'vocab_size': 65})),  # nanoGPT's
+        'garbage_meta': (lambda d: (d / 'meta.json').write_bytes(os.urandom(64)), 'meta.json cannot be read'),
+        'garbage_pkl': (lambda d: older(d, os.urandom(64)), 'meta.pkl cannot be read'),
+        'foreign_meta': (lambda d: older(d, pickle.dumps({'vocab_size': 65})),  # nanoGPT's
                          'meta.pkl is not a meta.pkl written by prepare.py'),
         'short': (lambda d: os.truncate(d / 'val.bin', 40), 'val.bin has 20 tokens, too few for block_size=32'),
     }
@@ -366,3 +371,55 @@ def test_a_second_run_into_a_live_run_s_out_dir_is_refused_and_a_killed_run_s_lo
     assert again.returncode == 0, again.stderr
     assert f"note: live/run.lock was left by a run that is gone; taking it over" in again.stdout
     assert not (out / 'run.lock').exists()  # released at exit
+
+
+# -----------------------------------------------------------------------------
+# files from elsewhere: a data folder runs no code, its ids fit its vocabulary, a checkpoint its data
+
+class RunsCode:
+    """What a shared meta.pkl can be made to do the moment pickle.load reads it: run code."""
+    def __reduce__(self):
+        return (exec, ("open('PWNED', 'w').write('ran')",))
+
+
+def test_a_meta_pkl_made_to_run_code_runs_none_and_is_refused_in_one_line(workdir, tmp_path):
+    import pickle
+    evil = tmp_path / 'data' / 'evil'
+    shutil.copytree(workdir / 'data' / 'shakespeare_char', evil)
+    os.remove(evil / 'meta.json')  # as a folder written before meta.json, or by someone else
+    (evil / 'meta.pkl').write_bytes(pickle.dumps(dict(tokenizer='char', vocab_size=76, x=RunsCode())))
+    line = one_error_line(run('train.py', TINY, '--dataset=evil', '--out_dir=out', cwd=tmp_path))
+    assert 'data/evil/meta.pkl holds Python objects (builtins.exec) that safe loading refuses' in line
+    assert '`python prepare.py --text=FILE --out_dir=data/evil`' in line
+    assert not (tmp_path / 'PWNED').exists() and not (tmp_path / 'out').exists()
+    # a folder written before meta.json, whose meta.pkl holds plain values, still trains
+    from prepare import check_data
+    meta = check_data(str(workdir / 'data' / 'shakespeare_char'), 32)
+    (evil / 'meta.pkl').write_bytes(pickle.dumps(meta))
+    result = run('train.py', TINY, '--dataset=evil', '--out_dir=out', '--max_iters=2', cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+
+
+def test_token_ids_past_the_vocabulary_are_one_line_naming_the_file_the_id_and_the_command(workdir, tmp_path):
+    import numpy as np
+    mixed = tmp_path / 'data' / 'mixed'
+    shutil.copytree(workdir / 'data' / 'shakespeare_char', mixed)
+    ids = np.fromfile(mixed / 'train.bin', dtype=np.uint16)
+    ids[123_456] = 50256  # a GPT-2 id in a character folder (another tokenizer wrote it)
+    ids.tofile(mixed / 'train.bin')
+    line = one_error_line(run('train.py', TINY, '--dataset=mixed', '--out_dir=out', cwd=tmp_path))
+    assert 'data/mixed/train.bin holds token id 50256, past the vocabulary of 76 ids in meta.json' in line
+    assert '`python prepare.py --text=FILE --out_dir=data/mixed`' in line
+
+
+def test_fine_tuning_on_data_whose_same_size_vocabulary_means_other_characters_is_one_line(workdir, tmp_path):
+    shuffled = tmp_path / 'data' / 'shuffled'
+    shutil.copytree(workdir / 'data' / 'shakespeare_char', shuffled)
+    meta = json.load(open(shuffled / 'meta.json'))
+    meta['itos'] = meta['itos'][::-1]  # the same 76 ids, other characters: another text's vocabulary
+    (shuffled / 'meta.json').write_text(json.dumps(meta))
+    line = one_error_line(run('train.py', TINY, '--dataset=shuffled', f"--init_from={workdir / 'run' / 'ckpt.pt'}",
+                              '--out_dir=ft', cwd=tmp_path))
+    assert "was trained on another vocabulary than data/shuffled's (the same 76 ids stand for other " \
+           "characters); use the dataset it was trained on (--dataset=shakespeare_char)" in line
+    assert not (tmp_path / 'ft').exists()

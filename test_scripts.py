@@ -6,7 +6,6 @@ Run: python -m pytest -q
 import ast
 import json
 import os
-import pickle
 import subprocess
 import sys
 
@@ -136,7 +135,7 @@ def test_prepare_reads_a_local_jsonl_dataset_offline_and_the_ids_decode_back(tmp
     assert result.returncode == 0, result.stderr
     from prepare import gpt2_encoding
     enc = gpt2_encoding()
-    meta = pickle.load(open(tmp_path / 'data' / 'stories' / 'meta.pkl', 'rb'))
+    meta = json.load(open(tmp_path / 'data' / 'stories' / 'meta.json'))
     assert meta == dict(tokenizer='gpt2', vocab_size=50257)
     decoded = {}
     for split in ('train', 'val'):
@@ -183,9 +182,10 @@ print(json.dumps(out))
 # the scripts, end to end, offline
 
 def test_prepare_builds_the_builtin_shakespeare_offline(workdir):
-    import pickle
+    from prepare import check_data
     data_dir = workdir / 'data' / 'shakespeare_char'
-    meta = pickle.load(open(data_dir / 'meta.pkl', 'rb'))
+    assert not (data_dir / 'meta.pkl').exists()  # JSON: a data folder that cannot run code
+    meta = check_data(str(data_dir), 128)
     train = np.fromfile(data_dir / 'train.bin', dtype=np.uint16)
     val = np.fromfile(data_dir / 'val.bin', dtype=np.uint16)
     assert len(train) > 4_000_000 and abs(len(val) / (len(train) + len(val)) - 0.1) < 0.001

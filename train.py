@@ -157,7 +157,8 @@ def get_batch(split, generator=batch_gen):
 # -----------------------------------------------------------------------------
 # the model and optimizer, and the checkpoint they continue from (resume or fine-tune)
 model_args['vocab_size'] = meta['vocab_size']
-iter_num, best_val_loss, checkpoint = 0, float('inf'), {}
+iter_num, best_val_loss, checkpoint, run_id = 0, float('inf'), {}, ckpt_io.new_run_id()
+from_run = None  # the run fine-tuned from
 source = {'scratch': None, 'resume': run.ckpt_path}.get(init_from, init_from)
 if source is not None:
     try:
@@ -171,6 +172,9 @@ if source is not None:
     if init_from == 'resume':
         iter_num = run.saved_iter = checkpoint['iter_num']
         best_val_loss = checkpoint['best_val_loss']
+        run_id, from_run = checkpoint.get('run_id', run_id), checkpoint.get('from_run')
+    else:
+        from_run = checkpoint.get('run_id')
 if init_from != 'resume' and os.path.exists(run.ckpt_path) and not overwrite and not eval_only:
     fail(f"{out_dir}/ already holds a run; continue it with --init_from=resume, "
          f"or pick another --out_dir, or pass --overwrite=True to replace it")
@@ -261,7 +265,7 @@ def checkpoint_now():
                 model_args=asdict(cfg), config=config, iter_num=iter_num,
                 best_val_loss=best_val_loss, meta=meta, dataset=dataset,
                 batch_gen_state=batch_state, torch_rng_state=torch.get_rng_state(),
-                **spend.state())
+                run_id=run_id, from_run=from_run, **spend.state())
 
 
 def evaluate_and_save():
@@ -288,8 +292,9 @@ def average_router_state():  # under DDP: every rank routes alike
 # the training loop (rank 0 evaluates, logs and saves)
 if init_from != 'resume' and not eval_only and master_process:
     run.new_log()
-    run.log(dict(event='start', config=config, model_args=asdict(cfg),
-                 params=raw_model.num_params(), active_params=raw_model.num_params(active=True)))
+    run.log(dict(event='start', config=config, model_args=asdict(cfg), run_id=run_id,
+                 from_run=from_run, code=ckpt_io.code_version(), params=raw_model.num_params(),
+                 active_params=raw_model.num_params(active=True)))
     stopper.write_failed()
 stopper.listen()
 if eval_only and any(r.needs_calibration() for r in routers):
@@ -350,7 +355,8 @@ if ddp:
 if master_process:  # the run's summary, also the last line of log.jsonl (sweep.py reads it)
     summary = done_summary(cfg, raw_model, routers, losses, layers, spend.per_token(),
                            iter=iter_num, time=time.time() - t_begin, init_from=init_from,
-                           eval_only=eval_only)
+                           eval_only=eval_only, run_id=run_id, from_run=from_run,
+                           code=ckpt_io.code_version(), config=config)
     run.log(summary)
     if run.error:
         fail(f"{run.error}; the run finished and {run.ckpt_path} holds its last checkpoint "
