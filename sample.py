@@ -151,8 +151,9 @@ class ExpertCounts:
         self.prompt, self.steps = None, []
 
     def add(self, routing):
-        if self.prompt is None:  # the prompt's tokens, mean over layers
-            self.prompt = torch.stack([mask[0].sum(-1) for mask, _ in routing]).float().mean(0)
+        if self.prompt is None:  # the prompt's tokens: per layer, and the mean over layers
+            self.prompt_layers = torch.stack([mask[0].sum(-1) for mask, _ in routing]).cpu()
+            self.prompt = self.prompt_layers.float().mean(0)
         self.steps.append(torch.stack([mask[0, -1].sum() for mask, _ in routing]))
 
     def generated(self):
@@ -166,6 +167,10 @@ class ExpertCounts:
         if counts is None:
             return []
         return self.prompt.tolist() + counts.float().mean(1).tolist()
+
+    def per_layer(self):
+        """(layers, tokens): the prompt's and each generated token's experts in each layer."""
+        return torch.cat([self.prompt_layers, self.generated().t()], dim=1)
 
     def summary(self, cfg, how):
         counts = self.generated()
