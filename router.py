@@ -64,12 +64,12 @@ def online_seqtopk_token(scores, cached, k, min_k=1, max_k=None, spent=None):
     """spent (B,): what tokens 1..m-1 took; given, m takes at most m*k minus it (no overspend)."""
     B, N = scores.shape
     min_k, max_k = seqtopk_bounds(k, N, min_k, max_k)
-    m = cached.shape[1] + 1
+    m, R = cached.shape[1] + 1, max_k - min_k
     ranked, order = scores.topk(max_k, dim=-1)  # (B, max_k): its experts, best first
-    # Its best min_k it takes; the other m*(k - min_k) of the budget go to the prefix's best
-    # candidates, the cached ones first in the row so that they win ties, as in Eq. (5)
-    pool = torch.cat([cached.reshape(B, -1), ranked[:, min_k:]], dim=1)  # (B, m*R)
-    won = top_entries(pool, m * (k - min_k))[:, (m - 1) * (max_k - min_k):]  # (B, R), a prefix
+    # Its best min_k it takes; each other candidate competes for the m*(k - min_k) left and wins
+    # when fewer come before it: the cached ones scoring at least as high, and its better ranks
+    ahead = (cached.reshape(B, 1, -1) >= ranked[:, min_k:, None]).sum(-1)  # (B, R)
+    won = ahead + torch.arange(R, device=scores.device) < m * (k - min_k)  # (B, R), a prefix
     count = min_k + won.sum(-1)  # (B,)
     if spent is not None:
         count = torch.minimum(count, m * k - spent)
