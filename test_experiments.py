@@ -5,6 +5,7 @@ Run: python -m pytest -q
 import json
 import math
 import os
+import re
 
 import pytest
 
@@ -305,3 +306,23 @@ def test_a_second_sweep_into_a_live_sweep_s_out_root_is_refused_and_the_first_fi
     again = run('sweep.py', *args, cwd=workdir)
     assert again.returncode == 0, again.stderr
     assert "note: locked/sweep.lock was left by a sweep that is gone; taking it over" in again.stdout
+
+
+def test_the_analyses_of_a_finished_sweep_run_and_print_their_tables(workdir, tmp_path):
+    args = ['--out_root=parts', '--routers=topk,seqtopk,relu,windowtopk', '--top_ks=2', '--seeds=1,2',
+            '--max_iters=4', f'--train_args={TINY} --n_exp=4 --exp_dim=16 --eval_interval=4 --log_interval=2']
+    assert run('sweep.py', *args, cwd=workdir).returncode == 0
+    more = run('sweep.py', *args[:2], '--routers=topk', '--top_ks=3', *args[3:], cwd=workdir)
+    assert more.returncode == 0, more.stderr
+    schedule = run('analyze.py', 'parts', '--relu_schedule', '--top_k=2', cwd=workdir)
+    assert schedule.returncode == 0, schedule.stderr
+    assert re.fullmatch(r"K=2: --k_schedule=0:\d+(/\d+:\d+)*", schedule.stdout.strip())
+    equal = run('analyze.py', 'parts', '--equal_compute', '--top_k=2', cwd=workdir)
+    assert equal.returncode == 0, equal.stderr
+    row = next(line for line in equal.stdout.splitlines() if line.startswith('| 2 |'))
+    spend = float(row.split('|')[2])  # windowtopk's measured experts per token in training
+    assert spend >= 2 and f"| {math.floor(spend)}, {math.ceil(spend)} |" in row
+    chars = run('analyze.py', 'parts', '--chars', '--top_k=2', '--batches=2', f'--out={tmp_path}', cwd=workdir)
+    assert chars.returncode == 0, chars.stderr
+    assert all(c in chars.stdout for c in ('| word start |', '| inside a word |', '| space or punctuation |'))
+    assert (tmp_path / 'chars_k2.png').exists() and len(json.load(open(tmp_path / 'chars_k2.json'))) == 2
