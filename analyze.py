@@ -67,11 +67,13 @@ def equal_compute(roots, router, ks):
             continue
         spend = float(np.mean([r['experts_trained'] for r in runs.values()]))
         low, high = math.floor(spend), math.ceil(spend)
+        if spend - low < 0.005:  # within 0.005 of K: topk at K itself, no K+1 runs needed
+            high = low
         topk = {kk: runs_of(roots, 'topk', kk) for kk in {k, low, high}}
         at_spend = {}
         for seed, run in runs.items():
             if seed in topk[low] and seed in topk[high]:
-                w = run['experts_trained'] - low if high > low else 0.0
+                w = min(1.0, run['experts_trained'] - low) if high > low else 0.0
                 at_spend[seed] = (1 - w) * topk[low][seed]['val_ce'] + w * topk[high][seed]['val_ce']
         ce = {s: r['val_ce'] for s, r in runs.items()}
         rows.append(dict(K=k, seeds=len(runs), spend_train=spend,
@@ -100,6 +102,9 @@ def relu_parts(roots, k):
         ("relu − topk (relu's whole lead)", (plain, 'relu'), (plain, 'topk')),
         ("relu − topk at K' = 10, 6, 5 (relu's mean spend)", (plain, 'relu'), (plain, 'topk', k_relu)),
         ("topk following relu's spend − topk (spend over time)", (spend, 'topk'), (plain, 'topk')),
+        ("topk at K' − topk (the same mean spend, evenly)", (plain, 'topk', k_relu), (plain, 'topk')),
+        ("topk following relu's spend − topk at K' (when the spend comes)", (spend, 'topk'),
+         (plain, 'topk', k_relu)),
         ("topk with ReLU gates − topk (gate form)", (plain, 'topk' + RELU_GATES), (plain, 'topk')),
         ("seqtopk with ReLU gates − seqtopk", (plain, 'seqtopk' + RELU_GATES), (plain, 'seqtopk')),
         ("topk, ReLU gates and relu's spend − topk (both)", (spend, 'topk' + RELU_GATES), (plain, 'topk')),
@@ -225,6 +230,7 @@ def chars(roots, k, batches, data_dir):
                               experts=float(experts[at].mean()),
                               entropy_seq=float(s['entropy'][at].mean()),
                               entropy_topk=float(r['entropy'][at].mean()),
+                              spread=float(s['spread'].mean(0)[at].mean()),
                               ce_seq=float(s['ce'][at].mean()), ce_topk=float(r['ce'][at].mean()),
                               d_ce_more=gain['+1'], d_ce_fewer=gain.get('-1')))
         per_layer_spread = [correlation(s['spread'][i], s['experts'][i].float())
@@ -241,14 +247,15 @@ def chars(roots, k, batches, data_dir):
 
 
 def binned(own, ref, spread, experts, bins=10):
-    """Mean experts per token in 10 bins of each measure (0..1): own entropy, topk's entropy, the
-    router's score spread (mean over layers); and the tokens in each bin."""
+    """Mean experts per token in 10 equal-count bins (deciles) of each measure: own entropy, topk's
+    entropy, the router's score spread (mean over layers); each bin's mean value and its tokens."""
     out = {}
     for name, value in (('own', own), ('topk', ref), ('spread', spread)):
-        index = (value.flatten() * bins).long().clamp(0, bins - 1)
-        count = torch.bincount(index, minlength=bins)
-        total = torch.bincount(index, weights=experts.flatten().double(), minlength=bins)
-        out[name] = dict(experts=(total / count.clamp_min(1)).tolist(), tokens=count.tolist())
+        value, n = value.flatten().double(), experts.flatten().double()
+        order = value.argsort()
+        chunks = [order[i * len(order) // bins:(i + 1) * len(order) // bins] for i in range(bins)]
+        out[name] = dict(x=[float(value[c].mean()) for c in chunks],
+                         experts=[float(n[c].mean()) for c in chunks], tokens=[len(c) for c in chunks])
     return out
 
 
@@ -263,21 +270,19 @@ def chars_figure(results, k, out):
                     [row['experts'] for row in result['table']], width=width,
                     label=f"seed {result['seed']}")
     axes[0].axhline(k, color='k', ls='--', lw=1)
-    axes[0].set_xticks(range(3), CLASSES)
+    axes[0].set_xticks(range(3), [c.replace(' ', '\n', 1) for c in CLASSES])
     axes[0].set_ylabel('seqtopk experts per token (mean over layers)')
     axes[0].set_title('By the character predicted')
-    centres = [(i + 0.5) / 10 for i in range(10)]
     for ax, name, label in ((axes[1], 'own', "seqtopk's own"), (axes[1], 'topk', "topk's (same seed)"),
                             (axes[2], 'spread', 'router score entropy / log N')):
         for j, result in enumerate(results):
             b = result['binned'][name]
-            keep = [i for i, n in enumerate(b['tokens']) if n >= 50]
-            ax.plot([centres[i] for i in keep], [b['experts'][i] for i in keep],
+            ax.plot(b['x'], b['experts'],
                     color='C0' if name != 'topk' else 'C1', alpha=0.6,
                     label=label if j == 0 else None, marker='o' if name == 'topk' else '.')
-    axes[1].set_xlabel('predictive entropy / log V')
+    axes[1].set_xlabel('predictive entropy / log V (deciles of tokens)')
     axes[1].set_title("Fig. 5a: by the model's own entropy and topk's")
-    axes[2].set_xlabel("the router's score entropy / log N (mean over layers)")
+    axes[2].set_xlabel("the router's score entropy / log N, mean over layers (deciles)")
     axes[2].set_title("By the router's own uncertainty")
     for ax in axes[1:]:
         ax.axhline(k, color='k', ls='--', lw=1)
@@ -329,8 +334,8 @@ def main(argv=None):
             print(f"\nK={k}, {len(results)} seeds ({args.batches} val batches each): per class of the "
                   f"character predicted, mean over seeds [min, max]")
             print("| class | share | seqtopk experts/token | entropy (seqtopk) | entropy (topk) | "
-                  "CE seqtopk | CE topk | topk ΔCE, one expert more | one fewer |")
-            print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+                  "router score entropy | CE seqtopk | CE topk | topk ΔCE, one expert more | one fewer |")
+            print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
             for c in range(3):
                 def cell(key, fmt='.3f'):
                     values = [r['table'][c][key] for r in results]
@@ -338,7 +343,8 @@ def main(argv=None):
                         return ''
                     return f"{np.mean(values):{fmt}} [{min(values):{fmt}}, {max(values):{fmt}}]"
                 print(f"| {CLASSES[c]} | {cell('share', '.2f')} | {cell('experts', '.2f')} | "
-                      f"{cell('entropy_seq')} | {cell('entropy_topk')} | {cell('ce_seq')} | "
+                      f"{cell('entropy_seq')} | {cell('entropy_topk')} | {cell('spread', '.4f')} | "
+                      f"{cell('ce_seq')} | "
                       f"{cell('ce_topk')} | {cell('d_ce_more', '+.4f')} | {cell('d_ce_fewer', '+.4f')} |")
             for key, label in (('slope_own', "slope of experts on seqtopk's own entropy"),
                                ('slope_topk', "slope of experts on topk's entropy"),
