@@ -2,11 +2,11 @@
 Analyses of finished sweep runs that sweep.py's table does not print; results/README.md gives the
 command behind each of its numbers.
 
-    python analyze.py --relu_schedule sweeps/explain --top_k=4    # relu's experts per token by step, as a --k_schedule
+    python analyze.py --relu_schedule sweeps/explain --top_k=4    # relu's spend by step: a --k_schedule
     python analyze.py --equal_compute sweeps/explain sweeps/explain_more --router=windowtopk
-    python analyze.py --relu sweeps/explain sweeps/relu_spend_k8 sweeps/relu_spend_k4 sweeps/relu_spend_k2
-    python analyze.py --chars sweeps/explain --top_k=2            # Fig. 5a on characters, taken apart
-    python analyze.py --chars ... --out=results/explain_chars      # and its figure
+    python analyze.py --relu sweeps/explain sweeps/relu_spend_k4 sweeps/relu_compute --top_k=4
+    python analyze.py --chars sweeps/explain --top_k=4             # Fig. 5a on characters, taken apart
+    python analyze.py --chars ... --out=results/explain_chars      # and its figures
 
 --equal_compute: a router's paired difference from topk at the experts per token it really spent
 in training, topk's val CE interpolated per seed between the two integer K around that spend.
