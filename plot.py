@@ -312,6 +312,7 @@ def token_figure(texts, counts, top_k, titles, width=40):
     fewer than top_k, white: top_k, red: more), a block of wrapped lines per layer. texts: per
     sample the tokens' strings; counts: per sample (layers, tokens)."""
     cmap = plt.get_cmap('coolwarm')
+    colour = lambda n: cmap(0.5 + 0.5 * max(-1.0, min(1.0, (int(n) - top_k) / max(top_k, 1))))
     lines = [-(-len(text) // width) for text in texts]
     layers = [len(c) for c in counts]  # at most: identical layers share a block
     height = sum(n * (lines_ + 1) + 1 for n, lines_ in zip(layers, lines))
@@ -331,8 +332,7 @@ def token_figure(texts, counts, top_k, titles, width=40):
             ax.text(-1, row, name, fontsize=7, va='center', ha='right')
             for j, (token, n) in enumerate(zip(text, taken)):
                 x, y = j % width, row + j // width
-                shade = 0.5 + 0.5 * max(-1.0, min(1.0, (int(n) - top_k) / max(top_k, 1)))
-                ax.add_patch(Rectangle((x - 0.5, y - 0.5), 1, 1, color=cmap(shade)))
+                ax.add_patch(Rectangle((x - 0.5, y - 0.5), 1, 1, color=colour(n)))
                 shown = {'\n': '⏎', ' ': '·'}.get(token, token)[:2]
                 ax.text(x, y, shown, ha='center', va='center', fontsize=8, family='monospace')
             row += n_lines + 1
@@ -340,8 +340,7 @@ def token_figure(texts, counts, top_k, titles, width=40):
     ax.set_ylim(row, -1)
     fig.set_figheight(row * 0.3 + 0.4)
     ax.axis('off')
-    legend = [Rectangle((0, 0), 1, 1, color=cmap(0.5 + 0.5 * max(-1, min(1, (n - top_k) / top_k))))
-              for n in range(1, top_k + 3)]
+    legend = [Rectangle((0, 0), 1, 1, color=colour(n)) for n in range(1, top_k + 3)]
     ax.legend(legend, [f"{n} expert{'s' * (n > 1)}" for n in range(1, top_k + 3)], ncol=top_k + 2,
               loc='lower center', bbox_to_anchor=(0.5, 1.0), fontsize=8, frameon=False)
     fig.tight_layout()

@@ -159,6 +159,7 @@ def get_batch(split, generator=batch_gen):
 model_args['vocab_size'] = meta['vocab_size']
 iter_num, best_val_loss, checkpoint, run_id = 0, float('inf'), {}, ckpt_io.new_run_id()
 from_run = None  # the run fine-tuned from
+code = ckpt_io.code_version() if master_process else None  # the commit this process runs
 source = {'scratch': None, 'resume': run.ckpt_path}.get(init_from, init_from)
 if source is not None:
     try:
@@ -293,7 +294,7 @@ def average_router_state():  # under DDP: every rank routes alike
 if init_from != 'resume' and not eval_only and master_process:
     run.new_log()
     run.log(dict(event='start', config=config, model_args=asdict(cfg), run_id=run_id,
-                 from_run=from_run, code=ckpt_io.code_version(), params=raw_model.num_params(),
+                 from_run=from_run, code=code, params=raw_model.num_params(),
                  active_params=raw_model.num_params(active=True)))
     stopper.write_failed()
 stopper.listen()
@@ -356,7 +357,7 @@ if master_process:  # the run's summary, also the last line of log.jsonl (sweep.
     summary = done_summary(cfg, raw_model, routers, losses, layers, spend.per_token(),
                            iter=iter_num, time=time.time() - t_begin, init_from=init_from,
                            eval_only=eval_only, run_id=run_id, from_run=from_run,
-                           code=ckpt_io.code_version(), config=config)
+                           code=code, config=config)
     run.log(summary)
     if run.error:
         fail(f"{run.error}; the run finished and {run.ckpt_path} holds its last checkpoint "
