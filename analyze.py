@@ -4,6 +4,7 @@ command behind each of its numbers.
 
     python analyze.py --relu_schedule sweeps/explain --top_k=4    # relu's spend by step: a --k_schedule
     python analyze.py --equal_compute sweeps/explain sweeps/explain_more --router=windowtopk
+    python analyze.py --window_spend                              # its spend on random scores
     python analyze.py --relu sweeps/explain sweeps/relu_spend_k4 sweeps/relu_compute --top_k=4
     python analyze.py --chars sweeps/explain --top_k=4             # Fig. 5a on characters, taken apart
     python analyze.py --chars ... --out=results/explain_chars      # and its figures
@@ -76,11 +77,27 @@ def equal_compute(roots, router, ks):
                 w = min(1.0, run['experts_trained'] - low) if high > low else 0.0
                 at_spend[seed] = (1 - w) * topk[low][seed]['val_ce'] + w * topk[high][seed]['val_ce']
         ce = {s: r['val_ce'] for s, r in runs.items()}
+        seqtopk = {s: r['val_ce'] for s, r in runs_of(roots, 'seqtopk', k).items()}
         rows.append(dict(K=k, seeds=len(runs), spend_train=spend,
+                         vs_seqtopk=paired_difference(ce, seqtopk) if len(set(ce) & set(seqtopk)) > 1 else None,
                          spend_eval=float(np.mean([r['experts_mean'] for r in runs.values()])),
                          val_ce=mean_std(ce.values())[0],
                          vs_topk=paired_difference(ce, {s: r['val_ce'] for s, r in topk[k].items()}),
                          vs_topk_at_spend=paired_difference(ce, at_spend), between=(low, high)))
+    return rows
+
+
+def window_spend(shapes=((8, 2, 8, 1024), (64, 8, 16, 128), (64, 4, 16, 128), (64, 2, 16, 128))):
+    """windowtopk's experts per token / K on random softmax scores, floor 1 (their code) and 2:
+    per (N, K, B, T) and logit spread (std 1 and 3), no training involved."""
+    from router import windowtopk_mask
+    rows = []
+    for n, k, b, t in shapes:
+        for std in (1.0, 3.0):
+            g = torch.Generator().manual_seed(0)
+            scores = (torch.randn(b, t, n, generator=g) * std).softmax(-1)
+            rows.append((n, k, b, t, std, *(float(windowtopk_mask(scores, k, floor).sum()) / (b * t * k)
+                                            for floor in (1, 2))))
     return rows
 
 
@@ -304,11 +321,13 @@ def chars_figure(results, k, out):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument('roots', nargs='+', help="sweep out_roots holding the runs")
+    parser.add_argument('roots', nargs='*', help="sweep out_roots holding the runs")
     parser.add_argument('--relu_schedule', action='store_true')
     parser.add_argument('--equal_compute', action='store_true')
     parser.add_argument('--chars', action='store_true')
     parser.add_argument('--relu', action='store_true', help="relu's lead taken apart")
+    parser.add_argument('--window_spend', action='store_true',
+                        help="windowtopk's spend on random scores, floor 1 and 2 (no runs needed)")
     parser.add_argument('--router', default='windowtopk')
     parser.add_argument('--top_k', default='8,4,2')
     parser.add_argument('--batches', type=int, default=20, help="--chars: val batches of 16 x block_size")
@@ -322,12 +341,18 @@ def main(argv=None):
             print(f"K={k}: --k_schedule={text}")
     if args.equal_compute:
         print(f"| K | {args.router}: experts/token in training | in evaluation | val CE | "
-              f"Δ vs topk at K | topk K′ around its spend | Δ vs topk at its spend |")
-        print("| --- | --- | --- | --- | --- | --- | --- |")
+              f"Δ vs topk at K | topk K′ around its spend | Δ vs topk at its spend | Δ vs seqtopk at K |")
+        print("| --- | --- | --- | --- | --- | --- | --- | --- |")
         for row in equal_compute(args.roots, args.router, ks):
             print(f"| {row['K']} | {row['spend_train']:.3f} | {row['spend_eval']:.3f} | {row['val_ce']} | "
                   f"{format_difference(row['vs_topk'])} | {row['between'][0]}, {row['between'][1]} | "
-                  f"{format_difference(row['vs_topk_at_spend'])} |")
+                  f"{format_difference(row['vs_topk_at_spend'])} | "
+                  f"{format_difference(row['vs_seqtopk']) if row['vs_seqtopk'] else 'n/a'} |")
+    if args.window_spend:
+        print("| experts N | K | windows: B sequences × T/B positions | logit std | ×T·K, floor 1 | floor 2 |")
+        print("| --- | --- | --- | --- | --- | --- |")
+        for n, k, b, t, std, one, two in window_spend():
+            print(f"| {n} | {k} | {b} × {t // b} | {std:g} | {one:.3f} | {two:.3f} |")
     if args.relu:
         relu_table(args.roots, ks)
     if args.chars:

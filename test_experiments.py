@@ -322,6 +322,10 @@ def test_the_analyses_of_a_finished_sweep_run_and_print_their_tables(workdir, tm
     row = next(line for line in equal.stdout.splitlines() if line.startswith('| 2 |'))
     spend = float(row.split('|')[2])  # windowtopk's measured experts per token in training
     assert spend >= 2 and f"| {math.floor(spend)}, {math.ceil(spend)} |" in row
+    window = run('analyze.py', '--window_spend', cwd=workdir)  # random scores: a floor only adds
+    assert window.returncode == 0, window.stderr
+    spends = [[float(c) for c in line.split('|')[5:7]] for line in window.stdout.splitlines()[2:]]
+    assert len(spends) == 8 and all(1 <= one <= two for one, two in spends)
     chars = run('analyze.py', 'parts', '--chars', '--top_k=2', '--batches=2', f'--out={tmp_path}', cwd=workdir)
     assert chars.returncode == 0, chars.stderr
     assert all(c in chars.stdout for c in ('| word start |', '| inside a word |', '| space or punctuation |'))
