@@ -250,29 +250,32 @@ class GPT(nn.Module):
     def generate(self, idx, max_new_tokens, temperature=1.0, sample_top_k=None, use_cache=True,
                  prompt_routing='online', on_token=None, decode=None, fast=None):
         """Sample max_new_tokens after idx (B, T), with a Cache (KV + Expert Cache) or recomputing
-        the context each step (the same tokens); a full context restarts from its last half.
+        the context each step: the same tokens and routing, for one context policy. The context is
+        the tokens since its start, at most block_size; when the next token would overfill it, it
+        starts again at its last half (block_size // 2 tokens, at least 1), routed anew.
         prompt_routing: 'online' (token by token) or 'joint' (one sequence, as the paper's code);
-        on_token(routing) sees each token's routing; decode: a compiled step (fast.py)."""
+        on_token(routing) sees each step's routing; decode: a compiled step (fast.py)."""
         block_size = self.config.block_size
         if prompt_routing not in ('online', 'joint'):
             raise ValueError(f"prompt_routing must be 'online' or 'joint', got '{prompt_routing}'")
         if not use_cache and (prompt_routing == 'joint' or decode is not None):
             raise ValueError("prompt_routing='joint' and a decoding step need use_cache=True")
-        cache, held = Cache(self.config), 0  # held: tokens cached
+        cache, start = Cache(self.config), max(0, idx.shape[1] - block_size)  # the context's start
         decode = decode or (lambda idx, cache: self.decode_token(idx, cache, fast))
         for i in range(max_new_tokens):
+            full = idx.shape[1] - start > block_size
+            if full:  # the context starts again at its last half
+                start = idx.shape[1] - max(1, block_size // 2)
             if not use_cache:
-                logits, _, aux = self(idx[:, -block_size:], online=True, fast=fast)
+                logits, _, aux = self(idx[:, start:], online=True, fast=fast)
                 routing = aux['routing']
-            elif i == 0 or held == block_size:  # the prompt, or the context once full
+            elif i == 0 or full:  # the prompt, or the context started again
                 cache.reset()
-                context = idx[:, -(block_size // 2):] if i > 0 else idx
                 online = prompt_routing == 'online' or i > 0
-                logits, _, aux = self(context, cache=cache, online=online, fast=fast)
-                routing, held = aux['routing'], context.shape[1]
+                logits, _, aux = self(idx[:, start:], cache=cache, online=online, fast=fast)
+                routing = aux['routing']
             else:  # the token sampled last (its own tensor: a slice of idx has other strides)
                 logits, routing = decode(idx_next, cache)
-                held += 1
             if on_token is not None:
                 on_token(routing)
             logits = logits[:, -1, :]

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 import fast
-from conftest import counting_batches, needs_cuda, trained_tiny
+from conftest import counting_batches, needs_cuda, tiny_config, trained_tiny
 from cache import Cache
+from model import GPT
 from fast import FAST, compiled_decode, dealt
 from router import ROUTERS, expert_cache_rows, online_seqtopk_token
 
@@ -40,20 +41,34 @@ def test_the_expert_cache_routes_decoding_exactly_like_the_causal_prefix_rule(ro
         assert (cache.layers[0].expert_cache[:, 24:] == float('-inf')).all()
 
 
-@pytest.mark.parametrize("router", ROUTERS)
-def test_kv_cached_generation_equals_full_recompute(router):
-    model = trained_tiny(router)
+def greedy(model, prompt, n, use_cache, decode=None):
+    """Greedy generation, and each step's routing of its newest token (per layer, (B, N))."""
+    steps = []
+    tokens = model.generate(prompt, n, temperature=0, use_cache=use_cache, decode=decode,
+                            on_token=lambda routing: steps.append([m[:, -1] for m, _ in routing]))
+    return tokens, steps
+
+
+@pytest.mark.parametrize("router,kw", [(r, {}) for r in ROUTERS] + [
+    ('seqtopk', {'seq_budget': 'strict'}), ('seqtopk', {'rope': False}), ('topk', {'moe_every': 0})])
+def test_cached_generation_gives_the_recomputed_tokens_and_routing_past_the_context(router, kw):
+    model = trained_tiny(router, **kw)  # block_size=32: 5 + 75 tokens start the context again twice
     prompt = torch.randint(0, 16, (2, 5), generator=torch.Generator().manual_seed(1))
-    cached = model.generate(prompt, 25, temperature=0, use_cache=True)
-    recomputed = model.generate(prompt, 25, temperature=0, use_cache=False)
+    cached, cached_routing = greedy(model, prompt, 75, use_cache=True)
+    recomputed, recomputed_routing = greedy(model, prompt, 75, use_cache=False)
     assert torch.equal(cached, recomputed)
+    assert len(cached_routing) == len(recomputed_routing) == 75
+    for a, b in zip(cached_routing, recomputed_routing):  # each token took the same experts
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
 
 
-def test_with_learned_positions_cached_generation_still_equals_full_recompute():
-    model = trained_tiny('seqtopk', rope=False)  # GPT-2's position embeddings instead of RoPE
-    prompt = torch.randint(0, 16, (2, 5), generator=torch.Generator().manual_seed(1))
-    cached = model.generate(prompt, 25, temperature=0, use_cache=True)
-    assert torch.equal(cached, model.generate(prompt, 25, temperature=0, use_cache=False))
+def test_a_model_whose_context_is_one_token_generates_alike_both_ways():
+    torch.manual_seed(0)
+    model = GPT(tiny_config('seqtopk', block_size=1)).eval()
+    prompt = torch.tensor([[3], [7]])
+    cached, recomputed = (greedy(model, prompt, 6, use_cache=c) for c in (True, False))
+    assert cached[0].shape == (2, 7) and torch.equal(cached[0], recomputed[0])
+    assert all(torch.equal(x, y) for a, b in zip(cached[1], recomputed[1]) for x, y in zip(a, b))
 
 
 def test_causal_routing_in_the_model_ignores_later_tokens():
