@@ -12,29 +12,29 @@ import re
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 import warnings
-from contextlib import suppress
+from contextlib import contextmanager, suppress
 from dataclasses import fields
 
 import torch
 
-from configurator import ARCHITECTURE
-from model import GPTConfig
-from prepare import written
+from model import ARCHITECTURE, GPTConfig
 
 MODEL_KEYS = [f.name for f in fields(GPTConfig)]  # the settings a checkpoint's model_args hold
 # model settings added since the first checkpoints, with the values that reproduce a checkpoint written
 # before them (the paper's gates: the selected softmax scores, unscaled), and the buffers added with them
 LEGACY_MODEL_ARGS = dict(score_func='softmax', route_scale=1.0, balance='aux', balance_rate=1e-3,
                          rope=False)
-# settings that may change on resume or fine-tuning: all but the architecture (MODEL_RULES)
-ROUTING_KEYS = set(MODEL_KEYS) - ARCHITECTURE
+# settings that may change on resume or fine-tuning: all but the architecture
+ROUTING_KEYS = set(MODEL_KEYS) - set(ARCHITECTURE)
 # a router's state buffers: each router keeps its own, so a checkpoint of another router (or one
 # from before routers kept only theirs) has others; a router starts those it lacks afresh
 ROUTER_STATE = tuple(f'.router.{name}' for name in (
-    'threshold', 'l1_coef', 'active_sum', 'active_count', 'expert_bias', 'expert_load'))
+    'threshold', 'calibrated', 'smallest_sum', 'smallest_count', 'l1_coef', 'active_sum', 'active_count', 'expert_bias',
+    'expert_load'))
 
 
 def code_version():

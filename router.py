@@ -187,6 +187,9 @@ class Router(nn.Module):
     def route(self, logits, scores, cache, online, fast):
         cfg = self.config
         choice = scores + self.expert_bias if cfg.balance == 'bias' else scores
+        # a NaN score (a diverging run) ranks last, so every budget is still spent exactly and the
+        # NaN loss, not a selection of the wrong size, stops the run
+        choice = choice.masked_fill(choice.isnan(), float('-inf'))
         mask = self.select(choice, cache, online, fast)
         if cfg.balance == 'bias' and self.training:
             self.expert_load.add_(mask.sum(dim=(0, 1)))
@@ -268,7 +271,7 @@ class SeqTopK(Router):
         cfg, (min_k, max_k) = self.config, self.bounds(self.config)
         strict = cfg.seq_budget == 'strict'
         if not online:
-            mask = seqtopk_mask(scores, cfg.top_k, min_k, max_k)
+            mask = self.offline(scores)
         elif fast is None:  # token by token against the Expert Cache (empty without a generation)
             cached, spent = cache.expert_cache_so_far() if cache is not None else (None, None)
             mask = online_seqtopk_mask(scores, cfg.top_k, min_k, max_k, strict, cached, spent)
@@ -278,6 +281,10 @@ class SeqTopK(Router):
             cache.write_expert_cache(expert_cache_rows(scores, min_k, max_k), mask.sum(dim=(1, 2)))
         return mask
 
+    def offline(self, scores):  # Eq. 5: the whole sequence at once
+        min_k, max_k = self.bounds(self.config)
+        return seqtopk_mask(scores, self.config.top_k, min_k, max_k)
+
     def max_k(self):
         return self.bounds(self.config)[1]
 
@@ -286,43 +293,73 @@ class SeqTopK(Router):
 
 
 class BatchTopK(Router):
-    """Training: the batch's top B*T*k, the threshold following the smallest selected score (an
-    EMA); evaluation and decoding: that threshold, so a sequence never depends on the batch."""
+    """Training: the batch's top B*T*k; the threshold follows the smallest selected score (an EMA,
+    one step per optimizer step over its micro-batches); evaluation and decoding: that threshold,
+    so a sequence never depends on the batch."""
 
     def __init__(self, config):
         super().__init__(config)
-        self.register_buffer('threshold', torch.zeros(()))  # 0: no training batch seen yet
+        self.register_buffer('threshold', torch.zeros(()))
+        self.register_buffer('calibrated', torch.zeros(()))  # 1: a training step set threshold
+        self.register_buffer('smallest_sum', torch.zeros(()))  # since the last step: summed,
+        self.register_buffer('smallest_count', torch.zeros(()))  # over its micro-batches
 
     def select(self, scores, cache, online, fast):
         if not self.training:  # every score above the threshold learnt in training
             return scores > self.threshold
         mask = batchtopk_mask(scores, self.config.top_k)
         with torch.no_grad():
-            smallest = scores.masked_fill(~mask, float('inf')).min()
-            decay = torch.where(self.threshold > 0, self.config.threshold_decay, 0.0)
-            self.threshold.copy_(decay * self.threshold + (1 - decay) * smallest)
+            self.smallest_sum.add_(scores.masked_fill(~mask, float('inf')).min())
+            self.smallest_count.add_(1)
         return mask
 
     def n_pairs(self, n_tokens, online):
         return n_tokens * self.config.top_k if self.training else None
 
     def needs_calibration(self):
-        return bool(self.threshold <= 0)
+        return not self.calibrated
+
+    @classmethod
+    @torch.no_grad()
+    def after_step(cls, routers):
+        # any value is a threshold (with balance='bias' or relu scores, <= 0 too): `calibrated` says
+        # whether one was set; under DDP the sums are the ranks' mean, so N processes step as one
+        for router in routers:
+            if router.smallest_count > 0:
+                decay = router.config.threshold_decay * router.calibrated
+                smallest = router.smallest_sum / router.smallest_count
+                router.threshold.copy_(decay * router.threshold + (1 - decay) * smallest)
+                router.calibrated.fill_(1.0)
+            router.smallest_sum.zero_()
+            router.smallest_count.zero_()
+        super().after_step(routers)
 
 
-class WindowTopK(Router):
-    """The paper's pretraining code's SeqTopK (windowtopk_mask), in training, evaluation and
-    decoding alike (no online rule)."""
+class WindowTopK(SeqTopK):
+    """The paper's pretraining code's SeqTopK (windowtopk_mask) in training and offline evaluation.
+    Its windows rank later tokens and other sequences of the batch, which a token being generated
+    cannot see: causal evaluation and decoding route by the online rule (Eq. 7) with its floor and,
+    like the window, no upper bound."""
 
     @classmethod
     def check(cls, config):
-        super().check(config)
+        Router.check(config)
         if not config.window_floor <= config.n_exp:
             raise ValueError(f"--window_floor={config.window_floor} must be at most "
                              f"--n_exp={config.n_exp}")
 
-    def select(self, scores, cache, online, fast):
+    @staticmethod
+    def bounds(cfg):
+        return seqtopk_bounds(cfg.top_k, cfg.n_exp, min(cfg.window_floor, cfg.top_k), cfg.n_exp)
+
+    def offline(self, scores):
         return windowtopk_mask(scores, self.config.top_k, self.config.window_floor)
+
+    def max_k(self):
+        return None
+
+    def n_pairs(self, n_tokens, online):
+        return None
 
 
 class ReLU(Router):

@@ -315,3 +315,18 @@ def test_torch_compile_trains_with_every_router_like_the_plain_eager_model(route
     (ce + aux['aux_loss']).backward()
     assert ce.item() == pytest.approx(eager_ce.item(), rel=1e-4)
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+@pytest.mark.parametrize("router", ROUTERS)
+@pytest.mark.parametrize("paths", [None, FAST], ids=['plain', 'fast'])
+def test_a_nan_in_the_router_s_input_gives_a_nan_loss_never_an_error(router, paths):
+    # what train.py's divergence check then stops on, with its one line, whatever the router
+    torch.manual_seed(0)
+    model = GPT(tiny_config(router))
+    x, y = next(counting_batches())
+    with torch.no_grad():
+        model.transformer.wte.weight[x[0, 3]] = float('nan')  # one token's embedding
+    _, ce, aux = model(x, y, fast=paths)
+    assert torch.isnan(ce)
+    if router in ('topk', 'seqtopk', 'batchtopk', 'mrltopk'):  # the exact budgets stay exact
+        assert all(int(mask.sum()) == x.numel() * model.routers()[0].k for mask, _ in aux['routing'])

@@ -311,6 +311,21 @@ def test_batchtopk_evaluation_does_not_depend_on_the_rest_of_the_batch():
     torch.testing.assert_close(alone_logits[0], batch_logits[0], rtol=1e-5, atol=1e-5)
 
 
+def test_batchtopk_keeps_a_threshold_at_or_below_zero_once_a_training_step_set_it():
+    # relu scores (and a balance bias on the choice) make thresholds <= 0 real ones
+    router = ROUTERS['batchtopk'](tiny_config('batchtopk', score_func='relu', n_exp=4, top_k=1))
+    assert router.needs_calibration()  # no training step seen yet
+    scores = torch.zeros(2, 8, 4)
+    scores[:, :4, 0] = 1.0  # 16 of the 16 entries taken include zeros: the smallest selected is 0
+    router.select(scores, None, False, None)
+    router.after_step([router])
+    assert router.threshold.item() == 0.0 and not router.needs_calibration()
+    for value in (2.0, 4.0):  # two micro-batches of one step: one EMA step, from their mean
+        router.select(torch.full((2, 8, 4), value), None, False, None)
+    router.after_step([router])
+    assert router.threshold.item() == pytest.approx((1 - 0.99) * 3.0)
+
+
 def test_relu_routing_moves_the_active_fraction_toward_k_over_n():
     torch.manual_seed(0)
     model = GPT(tiny_config('relu', n_exp=8, relu_l1_init=1e-4))
@@ -508,7 +523,7 @@ def test_each_router_keeps_only_its_own_state_and_loads_another_router_s_checkpo
     buffers = {name: sorted({n.rsplit('.', 1)[1] for n, _ in GPT(tiny_config(name)).named_buffers()})
                for name in ROUTERS}
     assert buffers['topk'] == buffers['seqtopk'] == buffers['mrltopk'] == []
-    assert buffers['batchtopk'] == ['threshold']
+    assert buffers['batchtopk'] == ['calibrated', 'smallest_count', 'smallest_sum', 'threshold']
     assert buffers['relu'] == ['active_count', 'active_sum', 'l1_coef', 'threshold']
     # a topk checkpoint (no router state) and one written before each router kept only its own (every
     # router every buffer): both load into any router, which starts what it lacks afresh

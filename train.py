@@ -304,6 +304,7 @@ if eval_only and any(r.needs_calibration() for r in routers):
     with torch.no_grad():
         for _ in range(eval_iters):
             model(*get_batch('train', calibration), fast=FAST)
+            raw_model.after_step()  # the routers' step rule: here batchtopk's threshold
 spend = ExpertSpend(checkpoint if init_from == 'resume' else {}, device)  # experts per token
 batch_state = batch_gen.get_state()  # the state that draws X, Y: a resumed run redraws them
 X, Y = get_batch('train')
