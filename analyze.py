@@ -23,11 +23,13 @@ import json
 import math
 import os
 import re
+from dataclasses import replace
 
 import numpy as np
 import torch
 
 from checkpoint import read_log
+from prepare import get_batch
 from stats import mean_std, paired_difference, format_difference
 
 
@@ -162,6 +164,42 @@ def final_eval(folder):
 
 
 # -----------------------------------------------------------------------------
+# windowtopk's evaluation: what a token being generated can reach
+
+WAYS = (('window', "as its code evaluates (a window of the batch at once)"),
+        ('topk', "as generation routed it before (each token its top K: a window of 1 x 1)"),
+        ('online', "by the online rule (Eq. 7, its floor, no cap): what sample.py routes"))
+
+
+def routed_ways(roots, router, k, batches, data_dir):
+    """{way: {seed: val CE}} of the router's runs at K on train.py's val batches, routed each of
+    the WAYS, {way: experts per token}, and the largest gap between 'window' and the CE each run
+    logged (the same number)."""
+    from fast import FAST
+    from model import GPT
+    from sample import load_model
+    ce, spend, gap = {way: {} for way, _ in WAYS}, {way: [] for way, _ in WAYS}, 0.0
+    for seed, run in sorted(runs_of(roots, router, k).items()):
+        model, _ = load_model(run['folder'], 'cpu')
+        as_topk = GPT(replace(model.config, router='topk')).eval()
+        as_topk.load_state_dict(model.state_dict())
+        losses = {way: [] for way, _ in WAYS}
+        with torch.no_grad():
+            for x, y in val_batches(data_dir, model.config.block_size, batches):
+                for way, forward in (('window', lambda: model(x, y, online=False, fast=FAST)),
+                                     ('topk', lambda: as_topk(x, y, fast=FAST)),
+                                     ('online', lambda: model(x, y, online=True, fast=FAST))):
+                    _, loss, aux = forward()
+                    experts = np.mean([m.sum(-1).float().mean().item() for m, _ in aux['routing']])
+                    losses[way].append((loss.item(), experts))
+        for way in ce:
+            ce[way][seed] = float(np.mean([loss for loss, _ in losses[way]]))
+            spend[way].append(float(np.mean([experts for _, experts in losses[way]])))
+        gap = max(gap, abs(ce['window'][seed] - run['val_ce_offline']))
+    return ce, {way: float(np.mean(s)) for way, s in spend.items()}, gap
+
+
+# -----------------------------------------------------------------------------
 # Fig. 5a on characters
 
 CLASSES = ('word start', 'inside a word', 'space or punctuation')
@@ -179,10 +217,7 @@ def val_batches(data_dir, block_size, batches, batch_size=16):
     data = np.memmap(os.path.join(data_dir, 'val.bin'), dtype=np.uint16, mode='r')
     gen = torch.Generator().manual_seed(1)
     for _ in range(batches):
-        ix = torch.randint(len(data) - block_size, (batch_size,), generator=gen).tolist()
-        x = torch.stack([torch.from_numpy(data[i:i + block_size].astype(np.int64)) for i in ix])
-        y = torch.stack([torch.from_numpy(data[i + 1:i + 1 + block_size].astype(np.int64)) for i in ix])
-        yield x, y
+        yield get_batch(data, block_size, batch_size, gen)
 
 
 def per_position(model, x, y, ks=None):
@@ -326,6 +361,8 @@ def main(argv=None):
     parser.add_argument('--equal_compute', action='store_true')
     parser.add_argument('--chars', action='store_true')
     parser.add_argument('--relu', action='store_true', help="relu's lead taken apart")
+    parser.add_argument('--causal', action='store_true',
+                        help="--router's runs evaluated as its code does, as generation did, causally")
     parser.add_argument('--window_spend', action='store_true',
                         help="windowtopk's spend on random scores, floor 1 and 2 (no runs needed)")
     parser.add_argument('--router', default='windowtopk')
@@ -355,6 +392,19 @@ def main(argv=None):
             print(f"| {n} | {k} | {b} × {t // b} | {std:g} | {one:.3f} | {two:.3f} |")
     if args.relu:
         relu_table(args.roots, ks)
+    if args.causal:
+        print(f"| K | {args.router} routed | experts/token | val CE | Δ vs topk at K |")
+        print("| --- | --- | --- | --- | --- |")
+        for k in ks:
+            ce, spend, gap = routed_ways(args.roots, args.router, k, args.batches, args.data_dir)
+            topk = {s: r['val_ce'] for s, r in runs_of(args.roots, 'topk', k).items()}
+            for way, label in WAYS:
+                print(f"| {k} | {label} | {spend[way]:.3f} | {mean_std(ce[way].values())[0]} | "
+                      f"{format_difference(paired_difference(ce[way], topk))} |")
+            print(f"| {k} | online − window, paired | | | "
+                  f"{format_difference(paired_difference(ce['online'], ce['window']))} |")
+            print(f"(K={k}: {len(ce['window'])} seeds, {args.batches} val batches; the window's CE "
+                  f"is each run's logged val CE to {gap:.1e})")
     if args.chars:
         for k in ks:
             results = chars(args.roots, k, args.batches, args.data_dir)

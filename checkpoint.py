@@ -4,7 +4,8 @@ Saves are atomic; loading (always with weights_only=True) turns any file that is
 seqmoe checkpoint into one line saying what is wrong with which file: empty, truncated, not a torch
 file, another project's (nanoGPT's), missing keys, weights that do not fit the model.
 """
-import atexit
+import fcntl
+import glob
 import io
 import json
 import os
@@ -62,8 +63,27 @@ def non_finite(state_dict):
             if torch.is_tensor(t) and t.is_floating_point() and not torch.isfinite(t).all()]
 
 
+@contextmanager
+def written(path):
+    """Yields a temporary path, unique to this writer, to write path's content to; renamed to path
+    when the block ends, removed if it fails: a kill or a full disk never leaves half a file, and
+    two processes writing one file never write into each other's."""
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or '.',
+                               prefix=os.path.basename(path) + '.', suffix='.tmp')
+    os.close(fd)
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    except BaseException as e:
+        with suppress(OSError):
+            os.remove(tmp)
+        if isinstance(e, OSError):  # a write error names no file: name the one it was for
+            raise OSError(e.errno, e.strerror or str(e), path) from None
+        raise
+
+
 def save(ckpt, path):
-    """Write to a temporary file, then rename (prepare.written): a run killed mid-save keeps its last good
+    """Write to a temporary file, then rename (written): a run killed mid-save keeps its last good
     checkpoint. When the file system refuses (disk full, quota, I/O error), OSError naming path, with the
     temporary file removed and the last checkpoint as it was."""
     buffer = io.BytesIO()
@@ -115,87 +135,84 @@ def read_log(path):
     return records
 
 
-def lock_holder(folder, name='run.lock'):
-    """Who holds a folder's lock ('pid P on host H, since T'), or None: no lock, or one left by a
-    process that is gone. On another host a process cannot be looked at: its lock counts as held."""
+LOCK = 'run.lock'  # in out_dir: held (flock) by the run that writes there, with its pid and start
+HELD = []  # the lock files this process holds, open until it exits
+
+
+def lock(path, wait=False):
+    """Hold the kernel's exclusive lock (flock) on the file at path until this process exits: a
+    process that is gone holds nothing, so no lock is ever left behind to take over. Returns
+    False when another process holds it (wait=True: waits for it instead)."""
+    f = open(path, 'a+')
     try:
-        with open(os.path.join(folder, name)) as f:
-            holder = json.load(f)
-        pid, host = int(holder['pid']), str(holder['host'])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None  # no lock, or not one of ours
-    if host == socket.gethostname():
-        if pid == os.getpid():
-            return None
+        fcntl.flock(f, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+    except BlockingIOError:
+        f.close()
+        return False
+    f.truncate(0)
+    f.write(f"pid {os.getpid()} on host {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}")
+    f.flush()
+    HELD.append(f)
+    return True
+
+
+def lock_holder(path):
+    """Who holds the lock at path ('pid P on host H, since T'), or None: no one."""
+    if not os.path.exists(path) or any(f.name == path for f in HELD):
+        return None
+    with open(path) as f:
         try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return None
-        except PermissionError:
-            pass  # alive, another user's
-    return f"pid {pid} on host {host}, since {holder.get('since', '?')}"
-
-
-LOCK = 'run.lock'  # in out_dir while a run writes there: its pid, host and start
-
-
-def hold(folder, name, what, refused):
-    """Hold folder for this process (a 'run', a 'sweep') until it exits with a lock file `name` (its
-    pid, host and start): SystemExit(refused(folder)) when a live process holds it; a lock left by
-    one that is gone (killed) is taken over, with a note."""
-    path = os.path.join(folder, name)
-    if os.path.exists(path) and not lock_holder(folder, name):
-        print(f"note: {path} was left by a {what} that is gone; taking it over")
-        with suppress(OSError):
-            os.remove(path)
-    try:
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-    except FileExistsError:
-        raise SystemExit(f"error: {refused(folder)}") from None
-    with os.fdopen(fd, 'w') as f:
-        json.dump(dict(pid=os.getpid(), host=socket.gethostname(),
-                       since=time.strftime('%Y-%m-%d %H:%M:%S'), argv=sys.argv), f)
-
-    def release():
-        if lock_holder(folder, name) is None:  # ours (or gone): never another live process's
-            with suppress(OSError):
-                os.remove(path)
-    atexit.register(release)
+            fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return f.read().strip() or 'just started'
+    return None
 
 
 class RunFiles:
-    """out_dir's log.jsonl and ckpt.pt as a run writes them (rank 0): lines appended whole, checkpoints
-    saved atomically. The first write the file system refuses (disk full, quota, I/O error) is kept in
-    `error` and nothing more is written: the run then stops after its step, its last good checkpoint
-    (step `saved_iter`) left as it was."""
+    """out_dir's log.jsonl and ckpt.pt as a run writes them (rank 0; write=False: nothing, as an
+    evaluation of a run's checkpoint): lines appended whole, checkpoints saved atomically. The first
+    write the file system refuses (disk full, quota, I/O error) is kept in `error` and nothing more
+    is written: the run then stops after its step, its last good checkpoint (step `saved_iter`)
+    left as it was."""
 
-    def __init__(self, out_dir, saved_iter=None):
+    def __init__(self, out_dir, saved_iter=None, write=True):
         self.out_dir = out_dir
         self.log_path = os.path.join(out_dir, 'log.jsonl')
         self.ckpt_path = os.path.join(out_dir, 'ckpt.pt')
         self.saved_iter = saved_iter
+        self.write = write
         self.error = None
 
-    def claim(self, lock=True):
-        """Make out_dir and (rank 0: lock=True) hold it for this run until the process exits
-        (hold: a live run's lock is refused in one line, a gone run's taken over)."""
-        os.makedirs(self.out_dir, exist_ok=True)
-        if lock:
-            hold(self.out_dir, LOCK, 'run', lambda folder: f"--out_dir={folder} {in_use(folder)}")
+    def claim(self):
+        """Make out_dir and hold it for this run until the process exits (hold: a live run's lock
+        is refused in one line, a gone run's taken over); nothing when it writes nothing."""
+        if self.write:
+            os.makedirs(self.out_dir, exist_ok=True)
+            if not lock(os.path.join(self.out_dir, LOCK)):
+                raise SystemExit(f"error: --out_dir={self.out_dir} {in_use(self.out_dir)}")
+            for tmp in glob.glob(os.path.join(self.out_dir, '*.tmp')):  # a killed writer's
+                os.remove(tmp)
 
     def new_log(self):
-        with suppress(FileNotFoundError):
-            os.remove(self.log_path)
+        """Start a new log; a run already in out_dir (its ckpt.pt and log.jsonl) is moved to
+        out_dir/replaced/ first, so that nothing can resume it under the new run's log."""
+        old = [path for path in (self.ckpt_path, self.log_path) if os.path.exists(path)]
+        if self.write and old:
+            replaced = os.path.join(self.out_dir, 'replaced')
+            os.makedirs(replaced, exist_ok=True)
+            for path in old:
+                os.replace(path, os.path.join(replaced, os.path.basename(path)))
+            print(f"note: moved the run that was in {self.out_dir}/ to {replaced}/")
 
     def log(self, record):
-        if not self.error:
+        if self.write and not self.error:
             try:
                 append_line(self.log_path, json.dumps(record))
             except OSError as e:
                 self.failed(self.log_path, e)
 
     def save(self, ckpt):
-        if not self.error:
+        if self.write and not self.error:
             try:
                 save(ckpt, self.ckpt_path)
                 self.saved_iter = ckpt['iter_num']
@@ -214,13 +231,13 @@ class RunFiles:
 
 
 def in_use(out_dir):
-    return (f"is in use by a live run ({lock_holder(out_dir) or 'just started'}); wait for it to end or "
-            f"stop it, or give another --out_dir (a run that is gone: delete {os.path.join(out_dir, LOCK)})")
+    return (f"is in use by a live run ({lock_holder(os.path.join(out_dir, LOCK)) or 'just ended'}); "
+            f"wait for it to end or stop it, or give another --out_dir")
 
 
 def out_dir_problem(path):
     """Why path cannot hold a run (None when it can), found before anything runs."""
-    if os.path.exists(path) and lock_holder(path):
+    if os.path.isdir(path) and lock_holder(os.path.join(path, LOCK)):
         return in_use(path)
     if os.path.exists(path):
         return None if os.path.isdir(path) else "exists and is not a folder; give another --out_dir"
@@ -306,27 +323,45 @@ def merged_args(saved, model_args, overridden, changeable, path):
     return {**model_args, **{k: value for k, value in saved.items() if k not in overridden}}
 
 
-def load_to_continue(source, resume, model_args, overridden, meta, data_dir, quiet=False):
+def load_to_continue(source, resume, model_args, overridden, quiet=False):
     """The checkpoint a run resumes (resume=True) or fine-tunes from, and the run's model settings
     merged with its; ValueError saying what does not fit."""
     if not os.path.isfile(source):
-        raise ValueError(f"--init_from=resume but there is no checkpoint at {source}; start the run with "
-                         f"--init_from=scratch, or give the --out_dir of the run to continue")
+        raise ValueError(f"--init_from=resume but there is no checkpoint at {source}; start the run "
+                         f"with --init_from=scratch, or give the --out_dir of the run to continue")
     state = ('optimizer', 'iter_num', 'best_val_loss', 'batch_gen_state', 'torch_rng_state')
-    checkpoint = load(source, ('model', 'model_args', 'meta') + (state if resume else ()), quiet=quiet)
-    model_args = merged_args(checkpoint['model_args'], model_args, overridden, ROUTING_KEYS, source)
+    checkpoint = load(source, ('model', 'model_args', 'meta') + (state if resume else ()),
+                      quiet=quiet)
+    return checkpoint, merged_args(checkpoint['model_args'], model_args, overridden, ROUTING_KEYS,
+                                   source)
+
+
+def check_vocabulary(checkpoint, source, meta, data_dir):
+    """ValueError unless the data's vocabulary is the one the checkpoint was trained on."""
     if checkpoint['model_args'].get('vocab_size') != meta['vocab_size']:
-        raise ValueError(f"{source} has vocab_size={checkpoint['model_args'].get('vocab_size')}, but {data_dir} "
-                         f"has {meta['vocab_size']}; use the dataset it was trained on "
-                         f"(--dataset={checkpoint.get('dataset')})")
+        raise ValueError(f"{source} has vocab_size={checkpoint['model_args'].get('vocab_size')}, "
+                         f"but {data_dir} has {meta['vocab_size']}; use the dataset it was trained "
+                         f"on (--dataset={checkpoint.get('dataset')})")
     saved = checkpoint['meta']
     if (saved.get('tokenizer'), saved.get('itos')) != (meta['tokenizer'], meta.get('itos')):
         what = (f"its tokenizer is {saved.get('tokenizer')}, the data's {meta['tokenizer']}"
                 if saved.get('tokenizer') != meta['tokenizer'] else
                 f"the same {meta['vocab_size']} ids stand for other characters")
-        raise ValueError(f"{source} was trained on another vocabulary than {data_dir}'s ({what}); use "
-                         f"the dataset it was trained on (--dataset={checkpoint.get('dataset')})")
-    return checkpoint, model_args
+        raise ValueError(f"{source} was trained on another vocabulary than {data_dir}'s ({what}); "
+                         f"use the dataset it was trained on (--dataset={checkpoint.get('dataset')})")
+
+
+def holds_run(out_dir):
+    """Whether out_dir holds a training run: its checkpoint, or the log a training run started."""
+    log = os.path.join(out_dir, 'log.jsonl')
+    return os.path.exists(os.path.join(out_dir, 'ckpt.pt')) or os.path.exists(log) and any(
+        r.get('event') == 'start' and not r.get('eval_only') for r in read_log(log))
+
+
+def log_run_id(path):
+    """The run id of the run that started the log at path (None: no log, or no start record)."""
+    starts = [r for r in read_log(path) if r.get('event') == 'start'] if os.path.exists(path) else []
+    return starts[-1].get('run_id') if starts else None
 
 
 def restore_state(checkpoint, source, optimizer, batch_gen):

@@ -1,31 +1,63 @@
 """
-nanoGPT-style configuration: a script's module-level values are its config, overridden by
-preset files and --key=value arguments, in the order given:
+nanoGPT-style settings: a script's settings are the plain values of its settings block (the lines
+between the first two `# ---` lines at its top, each with its comment), overridden by preset files
+and --key=value arguments, in the order given; --help lists them.
 
     python train.py config/tiny.py --router=seqtopk --top_k=4
 
-configure(globals(), sys.argv[1:], RULES, RELATIONS) applies them and checks the result.
-
-Each script also states, right under its settings, what each one may be: a dict of rules from the
-small vocabulary below, and a list of relations between settings. configure() checks them before
-anything runs and stops at the first bad value with one line, e.g.
+Each script also states what each of its settings may be, as a dict of rules from the small
+vocabulary below and a list of relations between settings; configure() checks them before anything
+runs and stops at the first bad value with one line, e.g.
 
     error: --batch_size=0 must be a positive integer
 
-The model's own settings are checked by model.GPTConfig.validate, with the same vocabulary
-(MODEL_RULES, at the end).
+The model's own settings are checked by model.GPTConfig.validate.
 """
 import ast
 import difflib
 import math
 import os
 import re
+import sys
 from ast import literal_eval
 from collections import namedtuple
 
-from router import ROUTERS
-
 TYPE_NAMES = {bool: 'True or False', int: 'an integer', float: 'a number', str: 'text'}
+
+
+# -----------------------------------------------------------------------------
+# the settings block, and --key=value
+
+def settings_block(path, dataclass=None):
+    """[(name, default, comment)] of the script at path: the assignments of its settings block;
+    with a dataclass (train.py's GPTConfig), its fields too, from its class body."""
+    source = open(path).read()
+    lines = source.splitlines()
+    marks = [i for i, line in enumerate(lines) if line.startswith('# ---')][:2]
+
+    def entry(node, name, code):
+        line = code.splitlines()[node.lineno - 1]
+        comment = line.split('#', 1)[1].strip() if '#' in line[node.end_col_offset:] else ''
+        return name, ast.get_source_segment(code, node.value), comment
+    found = [entry(node, node.targets[0].id, source) for node in ast.parse(source).body
+             if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name)
+             and len(marks) == 2 and marks[0] < node.lineno - 1 < marks[1]]
+    if dataclass is not None:
+        import inspect
+        code = inspect.getsource(dataclass)
+        body = ast.parse(code).body[0].body
+        found += [entry(node, node.target.id, code) for node in body
+                  if isinstance(node, ast.AnnAssign) and node.value is not None]
+    return found
+
+
+def help_text(config, dataclass=None):
+    """What --help prints: the script's docstring, then each setting, its default and comment."""
+    rows = [f"  --{name}={default}" + (f"  # {comment}" if comment else '')
+            for name, default, comment in settings_block(config['__file__'], dataclass)
+            if name in config]
+    return (config.get('__doc__') or '').strip() + \
+        "\n\nsettings (--key=value, or a preset file of them):\n" + '\n'.join(rows)
 
 
 def _parse(key, raw, default):
@@ -40,18 +72,15 @@ def _parse(key, raw, default):
         value = raw  # a bare word such as --router=seqtopk is a string
     if isinstance(default, str) and not isinstance(value, str):
         value = raw  # --top_ks=8,4,2 is the string '8,4,2', not a tuple
-    if default is None:
-        return value
     if isinstance(default, bool) != isinstance(value, bool) or (
             not isinstance(default, bool) and type(value) is not type(default)):
         raise SystemExit(f"error: --{key}={raw} must be {TYPE_NAMES[type(default)]}")
     return value
 
 
-def apply_overrides(config, args):
-    """Apply preset files and --key=value pairs to the dict `config` (a script's globals())."""
-    known = {k for k, v in config.items()
-             if not k.startswith('_') and isinstance(v, (int, float, bool, str, type(None)))}
+def apply_overrides(config, args, known):
+    """Apply preset files and --key=value pairs to the dict `config` (a script's globals()); only
+    the settings in `known` may be set. Returns the keys set."""
     overridden = set()
     for arg in args:
         if not arg.startswith('--'):
@@ -59,7 +88,7 @@ def apply_overrides(config, args):
                 raise SystemExit(f"error: preset file '{arg}' not found (settings are --key=value)")
             preset = {}
             with open(arg) as f:
-                exec(f.read(), {}, preset)
+                exec(f.read(), {}, preset)  # a preset is Python the user wrote, as in nanoGPT
             for key, value in preset.items():
                 if key.startswith('_'):
                     continue
@@ -70,20 +99,52 @@ def apply_overrides(config, args):
             continue
         key, sep, raw = arg[2:].partition('=')
         if not sep:
-            raise SystemExit(f"error: write settings as --{key}=value")
+            raise SystemExit(f"error: write settings as --{key}=value (--help lists them)")
         if key not in known:
             close = difflib.get_close_matches(key, known, n=1)
-            raise SystemExit(f"error: unknown setting --{key}" + (f"; did you mean --{close[0]}?" if close else
-                             "; the settings are the values at the top of the script"))
+            raise SystemExit(f"error: unknown setting --{key}" + (
+                f"; did you mean --{close[0]}?" if close else "; --help lists the settings"))
         config[key] = _parse(key, raw, config[key])
         overridden.add(key)
     return overridden
 
 
+def script_settings(path, args=()):
+    """The settings `python path args` would run with, without running it: the script's module-level
+    code before it calls configure() (its imports and settings block), then the args."""
+    body = ast.parse(open(path).read(), path).body
+    head = ast.Module(body[:next(i for i, node in enumerate(body)
+                                 if 'configure(' in ast.unparse(node))], [])
+    namespace = {'__name__': 'settings_of_' + os.path.basename(path), '__file__': path}
+    exec(compile(head, path, 'exec'), namespace)
+    settings = {k: v for k, v in namespace.items() if not k.startswith('_') and
+                isinstance(v, (int, float, bool, str))}
+    apply_overrides(namespace, list(args), set(settings))
+    return {k: namespace[k] for k in sorted(settings)}
+
+
+def configure(config, args, rules, relations=(), dataclass=None):
+    """Every script's start: --help, or apply preset files and --key=value args to `config` (its
+    globals()), then check its own settings (rules, relations); a bad one stops it with one
+    `error:` line before anything runs. dataclass: one whose fields are settings too (GPTConfig).
+    Returns the settings (name -> value) and the keys the args set."""
+    if {'--help', '-h'} & set(args):
+        print(help_text(config, dataclass))
+        sys.exit(0)
+    known = [name for name, _, _ in settings_block(config['__file__'], dataclass) if name in config]
+    overridden = apply_overrides(config, args, set(known))
+    settings = {k: config[k] for k in sorted(known)}
+    try:
+        check(settings, rules, relations)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    return settings, overridden
+
+
 # -----------------------------------------------------------------------------
 # rules: what one setting may be, as (test, what to tell the user)
 
-Rule = namedtuple('Rule', 'test allowed fixed', defaults=(False,))  # fixed: by the weights, if any
+Rule = namedtuple('Rule', 'test allowed')
 positive_int = Rule(lambda v: v >= 1, 'a positive integer')
 non_negative_int = Rule(lambda v: v >= 0, 'an integer >= 0')
 positive = Rule(lambda v: v > 0, 'a positive number')
@@ -92,18 +153,6 @@ fraction = Rule(lambda v: 0 <= v < 1, 'in [0, 1)')
 non_empty = Rule(lambda v: v != '', 'non-empty text')
 device_name = Rule(lambda v: re.fullmatch(r'auto|cpu|mps|cuda(:\d+)?', v) is not None,
                    'auto, cpu, cuda, cuda:N or mps')
-
-
-flag = Rule(lambda v: isinstance(v, bool), 'True or False')
-
-
-def fixed(rule):
-    """The same rule for a model setting that a trained model's weights fix (its architecture)."""
-    return rule._replace(fixed=True)
-
-
-def above(bound):
-    return Rule(lambda v: v > bound, f'greater than {bound}')
 
 
 def one_of(*choices):
@@ -132,11 +181,11 @@ def at_step(steps, step):  # a schedule's value at a step
 
 
 def check(config, rules, relations=()):
-    """ValueError naming the first setting that is not finite, breaks its rule, or breaks a relation
-    (setting, test(config), what it must be: a format string over the config): '--key=value must be ...'."""
+    """ValueError naming the first setting that is not finite, breaks its rule, or breaks a
+    relation (setting, test(config), what it must be: a format string over the config)."""
     def stop(key, allowed):
         value = config[key]
-        shown = repr(value) if isinstance(value, str) and not value.isprintable() else value  # stays one line
+        shown = repr(value) if isinstance(value, str) and not value.isprintable() else value
         raise ValueError(f"--{key}={shown} must be {allowed}")
     for key, value in config.items():
         if isinstance(value, float) and not math.isfinite(value):
@@ -151,48 +200,3 @@ def check(config, rules, relations=()):
     for key, test, allowed in relations:
         if not test(config):
             stop(key, allowed.format(**config))
-
-
-def script_settings(path, args=()):
-    """The settings `python path args` would run with, without running it: the script's module-level
-    values before it calls configure() (its own code, nothing from elsewhere), then the args."""
-    body = ast.parse(open(path).read(), path).body
-    head = ast.Module(body[:next(i for i, node in enumerate(body)
-                                 if 'configure(' in ast.unparse(node))], [])
-    namespace = {'__name__': 'settings_of_' + os.path.basename(path), '__file__': path}
-    exec(compile(head, path, 'exec'), namespace)
-    apply_overrides(namespace, list(args))
-    return {k: namespace[k] for k in sorted(namespace) if not k.startswith('_') and
-            isinstance(namespace[k], (int, float, bool, str))}
-
-
-def configure(config, args, rules, relations=()):
-    """Every script's start: apply preset files and --key=value args to `config` (its globals()), then
-    check its own settings (rules, relations); a bad one stops it with one `error:` line before anything
-    runs. Returns the settings (the script's int, float, bool and str globals) and the overridden keys."""
-    overridden = apply_overrides(config, args)
-    settings = {k: config[k] for k in sorted(config) if not k.startswith('_') and
-                isinstance(config[k], (int, float, bool, str))}
-    try:
-        check(settings, rules, relations)
-    except ValueError as e:
-        raise SystemExit(f"error: {e}") from None
-    return settings, overridden
-
-
-# what each model setting may be (model.GPTConfig.validate checks them; the routers, the rest):
-# adding a setting is a field of GPTConfig and a rule here
-MODEL_RULES = dict(
-    block_size=fixed(positive_int), vocab_size=fixed(positive_int), n_layer=fixed(positive_int),
-    n_head=fixed(positive_int), n_embd=fixed(positive_int), bias=fixed(flag), rope=fixed(flag),
-    n_exp=fixed(positive_int), exp_dim=fixed(positive_int), moe_every=fixed(non_negative_int),
-    mlp_dim=fixed(non_negative_int), dropout=fraction,
-    router=Rule(lambda v: v in ROUTERS, 'one of ' + ', '.join(ROUTERS)), top_k=positive_int,
-    seq_min_k=non_negative_int, seq_max_k=non_negative_int, seq_causal=flag,
-    seq_budget=one_of('plain', 'strict'), window_floor=positive_int,
-    score_func=one_of('softmax', 'sigmoid', 'relu'), route_scale=non_negative,
-    norm_topk_prob=flag, balance=one_of('aux', 'bias', 'none'), balance_rate=positive,
-    aux_loss_weight=non_negative, z_loss_weight=non_negative, threshold_decay=fraction,
-    relu_l1_init=positive, relu_l1_step=above(1), relu_l1_per_layer=flag,
-    relu_threshold_step=non_negative, moe_impl=one_of('grouped', 'loop'))
-ARCHITECTURE = {key for key, rule in MODEL_RULES.items() if rule.fixed}

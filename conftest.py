@@ -65,10 +65,10 @@ def trained_tiny(router, **kw):
     return model.eval()
 
 
-def train_step(model, x, y, fast=None):
+def train_step(model, x, y, fast=None, moe_ks=None):
     """Loss and gradients of one training step (forward + backward)."""
     model.zero_grad()
-    _, ce, aux = model(x, y, fast=fast)
+    _, ce, aux = model(x, y, fast=fast, moe_ks=moe_ks)
     (ce + aux['aux_loss']).backward()
     return ce.detach(), [p.grad.clone() for p in model.parameters()]
 

@@ -35,15 +35,23 @@ class Paths(NamedTuple):
 # -----------------------------------------------------------------------------
 # the grouped matmul: experts.expert_loop in one kernel
 
+def grouped_kernel_runs(device_type, dtype, capability=None):
+    """Whether torch._grouped_mm runs as one kernel with no host sync: on the CPU in fp32, bf16 and
+    fp16; on CUDA only in bf16 on compute capability 9.x (H100, H200) and 10.x (B200). Elsewhere
+    (A100, L4, RTX 30-50, fp32 or fp16) torch falls back to copying the offsets to the host and a
+    matmul per expert: experts.expert_loop, the same."""
+    if device_type == 'cpu':
+        return dtype in (torch.float32, torch.bfloat16, torch.float16)
+    return device_type == 'cuda' and dtype == torch.bfloat16 and capability[0] in (9, 10)
+
+
 def grouped_kernel_ok(*mats):
-    """Whether torch._grouped_mm runs: fp32, bf16, fp16 on CPU, bf16 on CUDA GPUs of compute
-    capability 8.0+, 16-byte aligned rows (or columns, transposed)."""
+    """Whether torch._grouped_mm takes these matrices as one kernel: grouped_kernel_runs for their
+    device, and 16-byte aligned rows (or columns, transposed)."""
     def ok(m):
-        cpu = m.device.type == 'cpu' and m.dtype in (torch.float32, torch.bfloat16, torch.float16)
-        cuda = (m.is_cuda and m.dtype == torch.bfloat16
-                and torch.cuda.get_device_capability(m.device) >= (8, 0))
+        capability = torch.cuda.get_device_capability(m.device) if m.is_cuda else None
         aligned = min(m.stride()[-2:]) == 1 and max(m.stride()[-2:]) * m.element_size() % 16 == 0
-        return (cpu or cuda) and aligned
+        return grouped_kernel_runs(m.device.type, m.dtype, capability) and aligned
     return hasattr(torch, '_grouped_mm') and all(ok(m) for m in mats)
 
 
@@ -61,8 +69,9 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Te
 def grouped_mm_weight_grad(x: torch.Tensor, grad: torch.Tensor,
                            offs: torch.Tensor) -> torch.Tensor:
     """The gradient of grouped_mm's w: each expert's x rows, transposed, times its grad rows."""
-    if grouped_kernel_ok(x.t(), grad):
-        return torch._grouped_mm(x.t(), grad, offs=offs)
+    if grouped_kernel_ok(x.t(), grad):  # an expert without rows gets 0, whatever the kernel gives
+        empty = offs.diff(prepend=offs.new_zeros(1)) == 0  # (B200: pytorch#172439)
+        return torch._grouped_mm(x.t(), grad, offs=offs).masked_fill(empty[:, None, None], 0)
     out = x.new_zeros(offs.shape[0], x.shape[1], grad.shape[1])  # experts without rows: zeros
     ends = offs.tolist()
     for e, (start, end) in enumerate(zip([0] + ends[:-1], ends)):

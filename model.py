@@ -5,14 +5,13 @@ Expert Cache a generation carries: cache.py. Shapes: B batch, T tokens, C n_embd
 Every idea runs as its plain definition; the scripts pass fast.py's equal paths (`fast=`).
 """
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
 from cache import Cache
-from configurator import MODEL_RULES, check
 from experts import moe_loop
 from router import ROUTERS, step_ks
 
@@ -56,9 +55,32 @@ class GPTConfig:
 
     def validate(self):
         """ValueError in the command line's words ("--top_k=9 must be at most --n_exp=8")."""
-        check(asdict(self), MODEL_RULES, [('n_embd', lambda c: c['n_embd'] % c['n_head'] == 0,
-                                           'a multiple of --n_head={n_head}')])
+        def need(ok, key, allowed):
+            if not ok:
+                raise ValueError(f"--{key}={getattr(self, key)} must be {allowed}")
+        for key in ('block_size', 'vocab_size', 'n_layer', 'n_head', 'n_embd', 'n_exp', 'exp_dim',
+                    'top_k', 'window_floor'):
+            need(getattr(self, key) >= 1, key, 'a positive integer')
+        for key in ('moe_every', 'mlp_dim', 'seq_min_k', 'seq_max_k'):
+            need(getattr(self, key) >= 0, key, 'an integer >= 0')
+        for key in ('route_scale', 'aux_loss_weight', 'z_loss_weight', 'relu_threshold_step'):
+            need(getattr(self, key) >= 0, key, 'a number >= 0')
+        for key in ('balance_rate', 'relu_l1_init'):
+            need(getattr(self, key) > 0, key, 'a positive number')
+        for key in ('dropout', 'threshold_decay'):
+            need(0 <= getattr(self, key) < 1, key, 'in [0, 1)')
+        need(self.relu_l1_step > 1, 'relu_l1_step', 'greater than 1')
+        for key, choices in (('router', tuple(ROUTERS)), ('seq_budget', ('plain', 'strict')),
+                             ('score_func', ('softmax', 'sigmoid', 'relu')),
+                             ('balance', ('aux', 'bias', 'none')), ('moe_impl', ('grouped', 'loop'))):
+            need(getattr(self, key) in choices, key, 'one of ' + ', '.join(choices))
+        need(self.n_embd % self.n_head == 0, 'n_embd', f'a multiple of --n_head={self.n_head}')
         ROUTERS[self.router].check(self)
+
+
+# what a trained model's weights fix: the rest may change when it is resumed or fine-tuned
+ARCHITECTURE = ('block_size', 'vocab_size', 'n_layer', 'n_head', 'n_embd', 'bias', 'rope', 'n_exp',
+                'exp_dim', 'moe_every', 'mlp_dim')
 
 
 class CausalSelfAttention(nn.Module):

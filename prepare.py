@@ -22,11 +22,14 @@ import pickle
 import re
 import socket
 import sys
-from contextlib import contextmanager, suppress
+from contextlib import suppress
 from importlib.util import find_spec
 from urllib.parse import urlparse
 
 import numpy as np
+import torch
+
+from checkpoint import lock, written
 
 # sha256 of the GPT-2 files, as tiktoken_ext.openai_public checks them
 GPT2_VOCAB_BPE_SHA256 = "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5"
@@ -173,24 +176,8 @@ def get_codec(meta):
 
 
 # -----------------------------------------------------------------------------
-# writing: each file to a temporary name first, renamed once complete, so a full disk or an interrupted
-# run never leaves a truncated train.bin that looks finished (checkpoint.save writes ckpt.pt the same way)
-
-@contextmanager
-def written(path):
-    """Yields a temporary path to write path's content to; renamed to path when the block ends, removed
-    if it fails."""
-    tmp = path + '.tmp'
-    try:
-        yield tmp
-        os.replace(tmp, path)
-    except BaseException as e:
-        with suppress(OSError):
-            os.remove(tmp)
-        if isinstance(e, OSError):  # a write error names no file: name the one it was for
-            raise OSError(e.errno, e.strerror or str(e), path) from None
-        raise
-
+# writing: each file to a temporary name first (checkpoint.written), so that a full disk or an
+# interrupted run never leaves a truncated train.bin that looks finished
 
 def write_bin(path, ids):
     arr = np.asarray(ids, dtype=np.uint16)
@@ -245,15 +232,22 @@ def rebuild_command(data_dir):
 
 
 def on_first_use(dataset, data_dir):
-    """Prepare a built-in dataset the first time a run asks for it; ValueError for any other that
-    is missing."""
-    if os.path.exists(data_dir):
-        return
+    """Prepare a built-in dataset the first time a run asks for it, one process at a time (a
+    second waits, then finds it made); ValueError for any other that is missing."""
+    made = lambda: any(os.path.exists(os.path.join(data_dir, m)) for m in ('meta.json', 'meta.pkl'))
     if dataset not in BUILTIN:
-        raise ValueError(f"no data in {data_dir}/; make it with `python prepare.py --text=FILE` or "
-                         f"`--dataset=HUB_NAME_OR_PATH` (or use the built-in --dataset=shakespeare_char)")
-    print(f"preparing the built-in dataset '{dataset}' in {data_dir}/")
-    main(BUILTIN[dataset] + [f'--out_dir={data_dir}'])
+        if not os.path.exists(data_dir):
+            raise ValueError(f"no data in {data_dir}/; make it with `python prepare.py --text=FILE` "
+                             f"or `--dataset=HUB_NAME_OR_PATH` (or use the built-in "
+                             f"--dataset=shakespeare_char)")
+        return
+    if made():  # meta.json is written last: a folder with it is whole
+        return
+    os.makedirs(os.path.dirname(os.path.abspath(data_dir)), exist_ok=True)
+    lock(data_dir + '.lock', wait=True)
+    if not made():
+        print(f"preparing the built-in dataset '{dataset}' in {data_dir}/")
+        main(BUILTIN[dataset] + [f'--out_dir={data_dir}'])
 
 
 class Refused(pickle.UnpicklingError):
@@ -325,6 +319,18 @@ def check_data(data_dir, block_size):
                              f"{meta['vocab_size']} ids in {meta_name} (another tokenizer wrote it); "
                              f"{redo}")
     return meta
+
+
+def get_batch(data, block_size, batch_size, generator, draws=1, take=0):
+    """(x, y), int64 (batch_size, block_size): sequences at random offsets of a split's token ids
+    (a memmap) and their next tokens. The generator draws `draws` sets of offsets (one per DDP
+    process) and the batch takes set `take`, so that N processes see what one would."""
+    offsets = [torch.randint(len(data) - block_size, (batch_size,), generator=generator)
+               for _ in range(draws)][take].tolist()
+    x = torch.stack([torch.from_numpy(data[i:i + block_size].astype(np.int64)) for i in offsets])
+    y = torch.stack([torch.from_numpy(data[i + 1:i + 1 + block_size].astype(np.int64))
+                     for i in offsets])
+    return x, y
 
 
 def main(argv=None):

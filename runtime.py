@@ -46,12 +46,22 @@ def join_torchrun(device, accumulation, world_size):
     return device, max(1, accumulation // world_size)  # below one each, every rank runs one micro-step
 
 
+def auto_dtype(device_type, capability=None):
+    """--dtype=auto: bf16 on CUDA GPUs that compute in it (compute capability 8.0+: A100, H100,
+    RTX 30 and later), fp16 with the loss scaler on older ones (V100, T4: torch would emulate bf16,
+    slowly), float32 elsewhere."""
+    if device_type != 'cuda':
+        return 'float32'
+    return 'bfloat16' if capability >= (8, 0) else 'float16'
+
+
 def autocast_for(device, dtype):
-    """The dtype the model runs in on device ('auto': bf16 on CUDA GPUs that have it, else float32) and
-    its autocast context (disabled for float32; the routers stay fp32 either way), for train.py and sample.py."""
+    """The dtype the model runs in on device (auto_dtype for 'auto') and its autocast context
+    (disabled for float32; the routers stay fp32 either way), for train.py and sample.py."""
     device_type = device.split(':')[0]
     if dtype == 'auto':
-        dtype = 'bfloat16' if device_type == 'cuda' and torch.cuda.is_bf16_supported() else 'float32'
+        capability = torch.cuda.get_device_capability(device) if device_type == 'cuda' else None
+        dtype = auto_dtype(device_type, capability)
     return dtype, torch.autocast(device_type, dtype=getattr(torch, dtype), enabled=dtype != 'float32')
 
 

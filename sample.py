@@ -82,7 +82,8 @@ def main():
         else:
             print(decode(y[0].tolist()))
         if experts.generated() is not None:
-            print(experts.summary(model.config, 'cached' if use_cache else 'recomputed'))
+            print(experts.summary(model.config, ('cached' if use_cache else 'recomputed') +
+                                  f', prompt routed {prompt_routing}'))
         print(f"[{max_new_tokens} tokens in {seconds:.2f} s: {max_new_tokens / seconds:.1f} "
               f"tokens/s, {'compiled' if compile else 'eager'}, {run_dtype}]")
         print('---------------')
@@ -179,7 +180,9 @@ class ExpertCounts:
                 f"{counts.float().mean():.2f}, min {counts.min().item()}, max "
                 f"{counts.max().item()}, per layer "
                 f"{[round(v, 2) for v in counts.float().mean(0).tolist()]}, "
-                f"histogram (0..{cfg.n_exp} experts) {hist}")
+                f"histogram (0..{cfg.n_exp} experts) {hist}; the prompt's "
+                f"{self.prompt_layers.shape[1]} tokens took {self.prompt_layers.sum(1).tolist()} "
+                f"per layer")
 
 
 def colored(ids, experts, decode, top_k):

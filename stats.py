@@ -106,7 +106,7 @@ def start_line(model, device, dtype, batch_size, accumulation, world_size):
     return ((f"{cfg.router} routing, {cfg.top_k} of {cfg.n_exp} experts per token: " if routers else
              f"dense GPT (no MoE layers), FFN width {cfg.mlp_dim or 4 * cfg.n_embd}: ") +
             f"{model.num_params() / 1e6:.2f}M parameters, {model.num_params(active=True) / 1e6:.2f}M active; "
-            f"device {device}, {dtype}; global batch {batch_size * accumulation * world_size} "
+            f"device {device}, {dtype}{' with loss scaling' * (dtype == 'float16')}; global batch {batch_size * accumulation * world_size} "
             f"sequences = {batch_size} x {accumulation} micro-steps" +
             (f" x {world_size} processes" if world_size > 1 else ''))
 

@@ -36,10 +36,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from checkpoint import code_version, hold, lock_holder, read_log
+from checkpoint import code_version, lock, lock_holder, read_log, written
 from configurator import (Rule, configure, each, non_empty, non_negative_int, one_of, positive_int,
                           script_settings)
-from prepare import written
 from router import ROUTERS
 from stats import format_difference, mean_std, paired_difference
 
@@ -67,7 +66,7 @@ RULES = dict(out_root=non_empty, routers=each(one_of(*ROUTERS), convert=lambda i
                         "'' (none), 'active', 'total' or 'active,total'"))
 HERE = os.path.dirname(os.path.abspath(__file__))
 TRAIN = os.path.join(HERE, 'train.py')
-LOCK = 'sweep.lock'  # in out_root while a sweep runs there
+LOCK = 'sweep.lock'  # in out_root: held (flock) by the sweep that runs there
 print_lock = threading.Lock()
 running = set()  # the train.py processes under way
 stopping = []    # the signal that stops the sweep, once one came
@@ -83,12 +82,14 @@ def stop(signum, frame):
             proc.send_signal(signal.SIGTERM)
 
 
-def last_eval(out_dir):
-    """The final record of a finished run, or None."""
+def last_eval(out_dir, evaluation=False):
+    """The final record of a finished training run (evaluation=True: of an evaluation, a
+    training-free row's), or None: an evaluation is never taken for a training run."""
     path = os.path.join(out_dir, 'log.jsonl')
     if not os.path.exists(path):
         return None
-    done = [r for r in read_log(path) if r.get('event') == 'done']
+    done = [r for r in read_log(path) if r.get('event') == 'done'
+            and bool(r.get('eval_only')) == evaluation]
     return done[-1] if done else None
 
 
@@ -133,8 +134,8 @@ def changed(out_dir, args, base, defaults):
 def train(out_dir, *args):
     """Run train.py unless out_dir already holds a finished run, resuming one that was stopped
     (its ckpt.pt, no 'done' record); return its final record (None: the sweep is stopping)."""
-    again = out_dir in fresh
-    if (again or last_eval(out_dir) is None) and not stopping:
+    again, evaluation = out_dir in fresh, '--eval_only=True' in args
+    if (again or last_eval(out_dir, evaluation) is None) and not stopping:
         resume = (not again and os.path.exists(os.path.join(out_dir, 'ckpt.pt'))
                   and '--eval_only=True' not in args)
         args = [a for a in args if not (resume and a.startswith('--init_from='))]
@@ -155,7 +156,10 @@ def train(out_dir, *args):
             running.discard(proc)
         if proc.returncode != 0 and not stopping:
             raise SystemExit(f"error: run failed, see {out_dir}.out")
-    return last_eval(out_dir)
+        if last_eval(out_dir, evaluation) is None and not stopping:
+            raise SystemExit(f"error: the run in {out_dir} exited without finishing (its log has "
+                             f"no done record); see {out_dir}.out")
+    return last_eval(out_dir, evaluation)
 
 
 # -----------------------------------------------------------------------------
@@ -262,10 +266,10 @@ def main():
     if dense and finetune:
         raise SystemExit("error: dense rows compare pretraining runs (a dense model has no routing to fine-tune)")
     os.makedirs(out_root, exist_ok=True)
-    hold(out_root, LOCK, 'sweep', lambda folder: (
-        f"--out_root={folder} is in use by a live sweep ({lock_holder(folder, LOCK) or 'just started'}); "
-        f"wait for it to end or stop it, or give another --out_root (a sweep that is gone: delete "
-        f"{os.path.join(folder, LOCK)})"))
+    if not lock(os.path.join(out_root, LOCK)):
+        raise SystemExit(f"error: --out_root={out_root} is in use by a live sweep "
+                         f"({lock_holder(os.path.join(out_root, LOCK)) or 'just ended'}); wait for it "
+                         f"to end or stop it, or give another --out_root")
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     start = time.time()

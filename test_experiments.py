@@ -71,18 +71,23 @@ def test_a_pretraining_sweep_adds_dense_rows_and_paired_differences(workdir):
     moe = next(r for r in summary['runs'] if r['name'] == 'topk-k2-s1')
     router_params = 2 * 32 * 4  # the MoE's gates, 2 layers of n_embd x n_exp
     assert active['params'] == moe['active_params'] - router_params  # same active parameters
-    # the statistic in the table is the paired one, recomputed here from the runs themselves
-    from stats import paired_difference
+    # the statistic in the table is the paired one, computed here by hand from the runs themselves
     ce = {r['name']: r['val_ce_offline'] for r in summary['runs']}
+
+    def by_hand(a, b):  # mean of the two seeds' differences, +- t(0.975, df=1) * sd / sqrt(2)
+        diffs = [ce[f'{a}-s{s}'] - ce[f'{b}-s{s}'] for s in (1, 2)]
+        mean = sum(diffs) / 2
+        return mean, 12.7062 * abs(diffs[0] - diffs[1]) / math.sqrt(2) / math.sqrt(2)
     row = next(r for r in summary['rows'] if r['router'] == 'mrltopk' and r['K'] == 4)
-    d = paired_difference({s: ce[f'mrltopk-k4-s{s}'] for s in (1, 2)}, {s: ce[f'topk-k4-s{s}'] for s in (1, 2)})
+    mean, half = by_hand('mrltopk-k4', 'topk-k4')
     assert (row['diff_vs_topk'], row['diff_low'], row['diff_high'], row['diff_n']) == \
-        (pytest.approx(d['mean']), pytest.approx(d['low']), pytest.approx(d['high']), 2)
-    assert f"{d['mean']:+.4f} [{d['low']:+.4f}, {d['high']:+.4f}]" in result.stdout
+        (pytest.approx(mean), pytest.approx(mean - half, abs=1e-5), pytest.approx(mean + half, abs=1e-5), 2)
+    assert f"{mean:+.4f} [{mean - half:+.4f}, {mean + half:+.4f}]" in result.stdout
     # and every MoE row against the dense FFN with its active parameters, the comparison that matters
-    d = paired_difference({s: ce[f'topk-k4-s{s}'] for s in (1, 2)}, {s: ce[f'dense-active-k4-s{s}'] for s in (1, 2)})
+    mean, half = by_hand('topk-k4', 'dense-active-k4')
     row = next(r for r in summary['rows'] if r['router'] == 'topk' and r['K'] == 4)
-    assert (row['diff_vs_dense'], row['diff_dense_low']) == (pytest.approx(d['mean']), pytest.approx(d['low']))
+    assert (row['diff_vs_dense'], row['diff_dense_low']) == (pytest.approx(mean),
+                                                             pytest.approx(mean - half, abs=1e-5))
     assert 'diff_causal_low' in (workdir / 'pre' / 'sweep.csv').read_text().splitlines()[0]
     # a re-run reuses every finished run, also one whose log ends in a line cut off mid-write
     with open(workdir / 'pre' / 'topk-k4-s1' / 'log.jsonl', 'a') as f:
@@ -108,7 +113,7 @@ def test_a_finetune_sweep_pretrains_per_seed_and_tabulates_training_free_rows(wo
     assert free['batchtopk']['experts_mean'] < 3  # a threshold set from training batches, not 0 (all 4)
     assert all(r['init_from'].endswith(os.path.join('pretrain-topk-k4-s1', 'ckpt.pt'))
                for r in summary['runs'] if r['kind'] != 'pretrain')
-    assert all(r['eval_only'] and r['iter'] == 0 for r in free.values())  # evaluated, not trained
+    assert all(r['eval_only'] and r['iter'] == 6 for r in free.values())  # evaluated at its step, not trained
     tuned = next(r for r in summary['runs'] if r['kind'] == 'train' and r['router'] == 'seqtopk')
     assert tuned['iter'] == 3 and tuned['val_ce_causal'] is not None and free['seqtopk']['val_ce_causal'] is not None
 
@@ -123,6 +128,28 @@ def test_bad_sweep_settings_fail_with_one_line(workdir):
 
 # -----------------------------------------------------------------------------
 # figures
+
+@pytest.fixture
+def drawn(monkeypatch):
+    """The figures plot.py saves, by file name, as drawn (their axes' data, not just a PNG)."""
+    from matplotlib.figure import Figure
+    figures, savefig = {}, Figure.savefig
+
+    def keep(fig, path, *args, **kwargs):
+        figures[os.path.basename(str(path))] = fig
+        return savefig(fig, path, *args, **kwargs)
+    monkeypatch.setattr(Figure, 'savefig', keep)
+    return figures
+
+
+def lines_of(fig, panel=0):
+    """{label: (x, y)} of a figure's panel's lines, and of its error bars' lines."""
+    ax = fig.axes[panel]
+    lines = [(line.get_label(), line) for line in ax.get_lines()] + [
+        (bars.get_label(), bars.lines[0]) for bars in ax.containers if hasattr(bars, 'has_yerr')]
+    return {label: (list(line.get_xdata()), list(line.get_ydata()))
+            for label, line in lines if not label.startswith('_')}
+
 
 def synthetic_sweep(folder, finetune=True):
     """A sweep.json shaped like sweep.py's, with made-up numbers (no training)."""
@@ -140,12 +167,19 @@ def synthetic_sweep(folder, finetune=True):
     (folder / 'sweep.json').write_text(json.dumps(dict(rows=rows, runs=[], finetune=finetune)))
 
 
-def test_the_paired_difference_figure_is_drawn_from_a_sweep_json(tmp_path):
+def test_the_paired_difference_figure_is_drawn_from_a_sweep_json(tmp_path, drawn):
     import plot
     synthetic_sweep(tmp_path)
     plot.main([f"--sweep={tmp_path / 'sweep.json'}"])
-    png = tmp_path / 'paired_difference.png'
-    assert png.exists() and png.read_bytes()[:8] == b'\x89PNG\r\n\x1a\n' and png.stat().st_size > 20000
+    assert (tmp_path / 'paired_difference.png').read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
+    fig = drawn['paired_difference.png']
+    assert [ax.get_title() for ax in fig.axes] == ["fine-tuned: val CE minus topk's, same seed",
+                                                   "training-free: val CE minus topk's, same seed"]
+    for panel in (0, 1):
+        lines = lines_of(fig, panel)  # every router but topk; seqtopk offline and causal
+        assert set(lines) == {'mrltopk', 'seqtopk', 'seqtopk (causal routing)'}
+        assert lines['mrltopk'][1] == pytest.approx([-0.04, -0.02, -0.01])  # at K = 2, 4, 8
+        assert [round(x) for x in lines['seqtopk'][0]] == [2, 4, 8]
     with pytest.raises(SystemExit, match='run sweep.py first'):
         plot.main([f"--sweep={tmp_path / 'missing.json'}"])
 
@@ -172,19 +206,30 @@ def synthetic_run(path, router, T=8, layers=2, N=4):
     (path / 'log.jsonl').write_text('\n'.join(json.dumps(r) for r in records) + '\n')
 
 
-def test_plots_are_written_from_logs_alone(tmp_path):
+def test_plots_are_written_from_logs_alone(tmp_path, drawn):
     import plot
     synthetic_run(tmp_path / 'a', 'topk')
     synthetic_run(tmp_path / 'b', 'seqtopk')
     plot.main([str(tmp_path / 'a'), str(tmp_path / 'b')])
-    for name in ('load_variance', 'entropy_per_layer', 'experts_histogram', 'experts_by_position', 'experts_by_entropy'):
-        png = tmp_path / f'{name}.png'
-        assert png.exists() and png.read_bytes()[:8] == b'\x89PNG\r\n\x1a\n' and png.stat().st_size > 5000
+    for name in ('load_variance', 'entropy_per_layer', 'experts_histogram', 'experts_by_position',
+                 'experts_by_entropy'):
+        assert (tmp_path / f'{name}.png').read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
+    # each picture shows the logs' numbers: the mean over layers, per layer, per position, per bin
+    assert lines_of(drawn['load_variance.png'])['topk K=2'] == ([0, 10, 20], pytest.approx([0.325] * 3))
+    assert lines_of(drawn['entropy_per_layer.png'])['seqtopk K=2'][1] == pytest.approx([0.9, 0.91])
+    by_position = lines_of(drawn['experts_by_position.png'])
+    assert set(by_position) == {'topk K=2', 'seqtopk K=2 online', 'seqtopk K=2 offline'}
+    assert by_position['seqtopk K=2 online'][1] == pytest.approx([2 + 0.1 * t for t in range(8)])
+    assert lines_of(drawn['experts_by_entropy.png'])['topk K=2'] == (  # the empty bin left out
+        pytest.approx([0.125, 0.375, 0.625]), pytest.approx([1.5, 2.0, 2.5]))
+    bars = [p.get_height() for p in drawn['experts_histogram.png'].axes[0].patches]
+    assert bars == pytest.approx([0, 0.25, 0.5, 0.25, 0] * 2)  # tokens per expert count, both runs
     with pytest.raises(SystemExit, match='no log.jsonl'):
         plot.main([str(tmp_path / 'missing')])
 
 
-def test_training_curves_are_drawn_per_seed_with_the_step_each_run_leaves_the_plateau(tmp_path, capsys):
+def test_training_curves_are_drawn_per_seed_with_the_step_each_run_leaves_the_plateau(tmp_path, capsys,
+                                                                                      drawn):
     import plot
     for seed, escape in ((1, 30), (2, 60)):
         path = tmp_path / f'topk-k2-s{seed}'
@@ -194,11 +239,12 @@ def test_training_curves_are_drawn_per_seed_with_the_step_each_run_leaves_the_pl
     plot.main(['--curves', str(tmp_path / 'topk-k2-s1'), str(tmp_path / 'topk-k2-s2'), f"--out={tmp_path}"])
     out = capsys.readouterr().out
     assert 'topk-k2-s1: below 2.3 from step 30' in out and 'topk-k2-s2: below 2.3 from step 60' in out
-    png = tmp_path / 'train_curves.png'
-    assert png.exists() and png.read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
+    curves = [line for line in drawn['train_curves.png'].axes[0].get_lines() if len(line.get_xdata()) > 2]
+    assert len(curves) == 2 and curves[0].get_color() == curves[1].get_color()  # one row, a line per seed
+    assert list(curves[1].get_ydata()) == [2.45] * 5 + [2.0] * 4
 
 
-def test_the_decoding_figure_is_drawn_from_a_bench_json(tmp_path):
+def test_the_decoding_figure_is_drawn_from_a_bench_json(tmp_path, drawn):
     import plot
     decode = [dict(router=r, way=w, new_tokens=512, cached_tok_s=s, recompute_tok_s=12.0)
               for r, w, s in (('topk', 'eager', 90.0), ('topk', 'compiled', 150.0), ('seqtopk', 'eager', 80.0),
@@ -206,8 +252,9 @@ def test_the_decoding_figure_is_drawn_from_a_bench_json(tmp_path):
                               ('seqtopk', 'compiled, experts capped at top_k', 140.0))]  # a row topk has not: no bar
     (tmp_path / 'bench.json').write_text(json.dumps(dict(device='CPU', dtype='float32', decode=decode)))
     plot.main([f"--bench={tmp_path / 'bench.json'}", f"--out={tmp_path / 'figures'}"])  # a folder not there yet
-    png = tmp_path / 'figures' / 'decoding.png'
-    assert png.exists() and png.read_bytes()[:8] == b'\x89PNG\r\n\x1a\n' and png.stat().st_size > 10000
+    assert (tmp_path / 'figures' / 'decoding.png').read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
+    bars = [p.get_height() for p in drawn['decoding.png'].axes[0].patches]
+    assert bars == [12.0, 12.0, 90.0, 80.0, 150.0, 130.0]  # recompute, eager, compiled: topk, seqtopk
 
 
 def test_an_interrupted_sweep_stops_its_runs_and_the_same_command_resumes_them(workdir):
@@ -291,21 +338,19 @@ def test_a_second_sweep_into_a_live_sweep_s_out_root_is_refused_and_the_first_fi
     first = subprocess.Popen([sys.executable, os.path.join(REPO, 'sweep.py'), *args], cwd=workdir, env=OFFLINE_ENV,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120
-    while not (workdir / 'locked' / 'sweep.lock').exists() and time.time() < deadline:
+    lock = workdir / 'locked' / 'sweep.lock'
+    while not (lock.exists() and lock.read_text()) and time.time() < deadline:
         time.sleep(0.1)
     line = one_error_line(run('sweep.py', *args, cwd=workdir))
     assert line.startswith(f"error: --out_root=locked is in use by a live sweep (pid {first.pid} on host ")
     out, err = first.communicate(timeout=300)
     assert first.returncode == 0, err
     assert 'wrote locked/sweep.json' in out and len(json.load(open(workdir / 'locked' / 'sweep.json'))['runs']) == 2
-    assert not (workdir / 'locked' / 'sweep.lock').exists()
-    # a lock left by a sweep that is gone (killed): taken over, with a note
+    # a lock file left by a sweep that is gone (killed): the kernel's lock went with it
     gone = subprocess.run([sys.executable, '-c', 'import os; print(os.getpid())'], capture_output=True, text=True)
-    import socket
-    (workdir / 'locked' / 'sweep.lock').write_text(json.dumps(dict(pid=int(gone.stdout), host=socket.gethostname())))
+    (workdir / 'locked' / 'sweep.lock').write_text(f'pid {int(gone.stdout)} on host here, since then')
     again = run('sweep.py', *args, cwd=workdir)
     assert again.returncode == 0, again.stderr
-    assert "note: locked/sweep.lock was left by a sweep that is gone; taking it over" in again.stdout
 
 
 def test_the_analyses_of_a_finished_sweep_run_and_print_their_tables(workdir, tmp_path):
@@ -330,3 +375,53 @@ def test_the_analyses_of_a_finished_sweep_run_and_print_their_tables(workdir, tm
     assert chars.returncode == 0, chars.stderr
     assert all(c in chars.stdout for c in ('| word start |', '| inside a word |', '| space or punctuation |'))
     assert (tmp_path / 'chars_k2.png').exists() and len(json.load(open(tmp_path / 'chars_k2.json'))) == 2
+
+
+def test_a_sweep_run_that_exits_without_finishing_is_reported_failed_in_one_line(workdir):
+    import glob
+    import signal
+    import subprocess
+    import sys
+    import time
+    from conftest import OFFLINE_ENV, REPO
+    args = ['--out_root=unfinished', '--routers=topk', '--top_ks=2', '--seeds=1', '--max_iters=300',
+            f'--train_args={TINY} --n_exp=4 --eval_interval=1000 --log_interval=1']
+    sweep = subprocess.Popen([sys.executable, os.path.join(REPO, 'sweep.py'), *args], cwd=workdir, env=OFFLINE_ENV,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    log = workdir / 'unfinished' / 'topk-k2-s1' / 'log.jsonl'
+    deadline = time.time() + 120
+    while not (log.exists() and '"event": "train"' in log.read_text()) and time.time() < deadline:
+        time.sleep(0.1)
+    children = [int(p.split('/')[2]) for p in glob.glob('/proc/[0-9]*/stat')
+                if open(p).read().rsplit(')', 1)[1].split()[1] == str(sweep.pid)]
+    os.kill(children[0], signal.SIGTERM)  # its train.py stops, saved, and exits 0: not finished
+    out, err = sweep.communicate(timeout=120)
+    assert sweep.returncode != 0 and 'Traceback' not in err, err
+    assert err.strip().splitlines()[-1] == (
+        "error: the run in unfinished/topk-k2-s1 exited without finishing (its log has no done record); "
+        "see unfinished/topk-k2-s1.out")
+    assert not (workdir / 'unfinished' / 'sweep.json').exists()
+
+
+def test_the_pictures_that_explain_routing_show_each_router_s_selection(workdir, tmp_path, drawn, monkeypatch):
+    import plot
+    from matplotlib.patches import Rectangle
+    monkeypatch.chdir(workdir)
+    plot.main(['--explain', 'run', f'--out={tmp_path}'])  # run/: a tiny topk run, its text coloured
+
+    def selections(name):  # per panel: the boxed entries, and the count written at each row's end
+        panels = []
+        for ax in drawn[name].axes:
+            boxes = sum(isinstance(p, Rectangle) for p in ax.patches)
+            counts = [int(t.get_text()) for t in ax.texts if t.get_text().isdigit()]
+            panels.append((boxes, counts))
+        return panels
+    (topk, topk_counts), (seqtopk, seqtopk_counts) = selections('selection.png')
+    assert topk == seqtopk == 8 * 2 and topk_counts == [2] * 8  # the same compute, T*K = 16
+    assert sum(seqtopk_counts) == 16 and set(seqtopk_counts) != {2} and max(seqtopk_counts) <= 4
+    assert [boxes for boxes, _ in selections('batch.png')] == [32, 32, 32]  # B*T*K for all three
+    offline, online = selections('online.png')
+    assert offline[0] == 16 and online[1] != offline[1]  # online routes token m by tokens 1..m
+    tokens = drawn['tokens.png'].axes[0]
+    assert sum(isinstance(p, Rectangle) for p in tokens.patches) >= 120  # a coloured box per token
+    assert sorted(os.listdir(tmp_path)) == ['batch.png', 'online.png', 'selection.png', 'tokens.png']

@@ -199,24 +199,20 @@ def test_torchrun_with_more_processes_than_gpus_is_one_line():
                       "use --nproc_per_node=1, or --device=cpu (gloo)"]
 
 
-def test_a_run_killed_while_saving_leaves_a_loadable_checkpoint(workdir):
-    import signal
-    import time
-    out = workdir / 'killed'
-    for delay in (0.05, 0.3, 0.7):
-        proc = subprocess.Popen([sys.executable, os.path.join(REPO, 'train.py'), os.path.join(REPO, 'config', 'tiny.py'),
-                                 '--max_iters=100000', '--eval_interval=1', '--eval_iters=1', '--always_save_checkpoint=True',
-                                 f'--out_dir={out}', '--overwrite=True'],
-                                cwd=workdir, env=OFFLINE_ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.time() + 60
-        while not (out / 'ckpt.pt').exists() and time.time() < deadline:
-            time.sleep(0.05)
-        time.sleep(delay)  # the run saves every step: this lands in or near a save
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
-        ckpt = torch.load(out / 'ckpt.pt', weights_only=True)
-        assert ckpt['iter_num'] >= 1 and 'model' in ckpt
-        (out / 'ckpt.pt').unlink()
+def test_a_run_killed_in_the_middle_of_a_save_leaves_its_last_checkpoint_and_resumes(workdir, tmp_path):
+    out = tmp_path / 'killed'
+    common = [TINY, '--eval_interval=1', '--eval_iters=1', '--always_save_checkpoint=True', f'--out_dir={out}']
+    # the first save is whole; the second is killed half-way through writing its checkpoint
+    killed = run_on_a_full_disk('train.py', *common, '--max_iters=100', cwd=workdir,
+                                target=r'ckpt\.pt\.\w+\.tmp$', limit=20_000, skip=1, kill=True)
+    assert killed.returncode == -9
+    ckpt = torch.load(out / 'ckpt.pt', weights_only=True)
+    assert ckpt['iter_num'] == 1 and 'model' in ckpt  # the last whole checkpoint
+    assert len(list(out.glob('ckpt.pt.*.tmp'))) == 1  # the half-written one, under its own name
+    resumed = run('train.py', *common, '--max_iters=3', '--init_from=resume', cwd=workdir)
+    assert resumed.returncode == 0, resumed.stderr
+    assert torch.load(out / 'ckpt.pt', weights_only=True)['iter_num'] == 3
+    assert not list(out.glob('*.tmp'))  # the run that holds the folder clears what a killed one left
 
 
 # -----------------------------------------------------------------------------
@@ -255,10 +251,10 @@ def test_a_damaged_data_folder_is_one_line_naming_the_file_and_the_command_that_
     assert line.endswith("val.bin is missing; rebuild it with `python prepare.py`"), line
 
 
-# Runs a script with the file system refusing writes to files whose name ends with TARGET after LIMIT bytes
+# Runs a script with the file system refusing writes to files whose name matches TARGET after LIMIT bytes
 # (the first `SKIP` such files are written in full): as a disk that fills up, or a quota that runs out.
 FULL_DISK = """
-import builtins, errno, os, runpy, sys
+import builtins, errno, os, re, runpy, sys
 real_open, opened = builtins.open, []
 
 class Full:
@@ -268,6 +264,8 @@ class Full:
         if self.written + len(data) > LIMIT:
             self.f.write(data[:max(0, LIMIT - self.written)])
             self.f.flush()
+            if KILL:  # the process is killed right here, in the middle of the write
+                os.kill(os.getpid(), 9)
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         self.written += len(data)
         return self.f.write(data)
@@ -280,7 +278,7 @@ class Full:
 
 def full_disk_open(file, mode='r', *args, **kwargs):
     f = real_open(file, mode, *args, **kwargs)
-    if str(file).endswith(TARGET) and ('w' in mode or 'a' in mode):
+    if re.search(TARGET, str(file)) and ('w' in mode or 'a' in mode):
         opened.append(file)
         return f if len(opened) <= SKIP else Full(f)
     return f
@@ -292,13 +290,15 @@ runpy.run_path(script, run_name='__main__')
 """
 
 
-def run_on_a_full_disk(script, *args, cwd, target, limit=1000, skip=0):
+def run_on_a_full_disk(script, *args, cwd, target, limit=1000, skip=0, kill=False):
+    """kill=True: the process is killed (SIGKILL) where the write would fail."""
     driver = FULL_DISK.replace('TARGET', repr(target)).replace('LIMIT', str(limit)).replace('SKIP', str(skip))
+    driver = driver.replace('KILL', str(kill))
     return subprocess.run([sys.executable, '-c', driver, os.path.join(REPO, script), *args], cwd=cwd, env=OFFLINE_ENV,
                           capture_output=True, text=True, timeout=300)
 
 
-@pytest.mark.parametrize("target", ['ckpt.pt.tmp', 'log.jsonl'])
+@pytest.mark.parametrize("target", [r'ckpt\.pt\.\w+\.tmp$', r'log\.jsonl$'])
 def test_a_full_disk_stops_the_run_with_one_line_and_keeps_the_last_good_checkpoint(workdir, tmp_path, target):
     out = tmp_path / 'full'
     shutil.copytree(workdir / 'run', out)  # a checkpoint at step 10
@@ -309,7 +309,7 @@ def test_a_full_disk_stops_the_run_with_one_line_and_keeps_the_last_good_checkpo
     assert f"could not write {out}/{'ckpt.pt' if target.startswith('ckpt') else 'log.jsonl'} " \
            f"(No space left on device)" in line, line
     assert f"{out}/ckpt.pt is left as it was (step 10)" in line and '--init_from=resume' in line, line
-    assert (out / 'ckpt.pt').read_bytes() == before and not (out / 'ckpt.pt.tmp').exists()
+    assert (out / 'ckpt.pt').read_bytes() == before and not list(out.glob('*.tmp'))
     assert all(json.loads(record) for record in open(out / 'log.jsonl'))  # no half-written line
     resumed = run('train.py', *common, cwd=workdir)  # space again: it continues from step 10
     assert resumed.returncode == 0, resumed.stderr
@@ -317,7 +317,7 @@ def test_a_full_disk_stops_the_run_with_one_line_and_keeps_the_last_good_checkpo
 
 
 def test_prepare_on_a_full_disk_leaves_no_half_written_file(tmp_path):
-    line = one_error_line(run_on_a_full_disk('prepare.py', cwd=tmp_path, target='.bin.tmp', limit=10_000))
+    line = one_error_line(run_on_a_full_disk('prepare.py', cwd=tmp_path, target=r'\.bin\.\w+\.tmp$', limit=10_000))
     assert line == ("error: could not write data/shakespeare_char/ (No space left on device); free some space, "
                     "or give another --out_dir, and run prepare.py again")
     assert os.listdir(tmp_path / 'data' / 'shakespeare_char') == []
@@ -350,27 +350,25 @@ def test_a_log_cut_off_mid_line_is_read_around_and_cut_back_when_the_run_resumes
     assert text.startswith(whole) and records[-1]['event'] == 'done' and records[-1]['iter'] == 12
 
 
-def test_a_second_run_into_a_live_run_s_out_dir_is_refused_and_a_killed_run_s_lock_is_taken_over(workdir):
+def test_a_second_run_into_a_live_run_s_out_dir_is_refused_and_a_killed_run_holds_nothing(workdir):
     out = workdir / 'live'
     first = subprocess.Popen([sys.executable, os.path.join(REPO, 'train.py'), TINY, '--out_dir=live',
                               '--max_iters=100000', '--eval_interval=100000'], cwd=workdir, env=OFFLINE_ENV,
                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.time() + 120
-        while not (out / 'run.lock').exists() and time.time() < deadline:
+        while not ((out / 'run.lock').exists() and (out / 'run.lock').read_text()) and time.time() < deadline:
             time.sleep(0.2)
         for how in ('--overwrite=True', '--init_from=resume', '--eval_only=True'):
             line = one_error_line(run('train.py', TINY, '--out_dir=live', how, cwd=workdir))
             assert line.startswith(f"error: --out_dir=live is in use by a live run (pid {first.pid} on host "), line
             assert 'wait for it to end or stop it, or give another --out_dir' in line
     finally:
-        first.kill()  # SIGKILL: no chance to remove its lock
+        first.kill()  # SIGKILL: no chance to let go of anything itself
         first.wait()
-    assert (out / 'run.lock').exists()
+    assert (out / 'run.lock').read_text().startswith(f'pid {first.pid} ')  # its file stays ...
     again = run('train.py', TINY, '--out_dir=live', '--overwrite=True', '--max_iters=2', cwd=workdir)
-    assert again.returncode == 0, again.stderr
-    assert f"note: live/run.lock was left by a run that is gone; taking it over" in again.stdout
-    assert not (out / 'run.lock').exists()  # released at exit
+    assert again.returncode == 0, again.stderr  # ... but the kernel's lock went with the process
 
 
 # -----------------------------------------------------------------------------
@@ -423,3 +421,106 @@ def test_fine_tuning_on_data_whose_same_size_vocabulary_means_other_characters_i
     assert "was trained on another vocabulary than data/shuffled's (the same 76 ids stand for other " \
            "characters); use the dataset it was trained on (--dataset=shakespeare_char)" in line
     assert not (tmp_path / 'ft').exists()
+
+
+# -----------------------------------------------------------------------------
+# a run's files belong to the run
+
+def test_an_evaluation_never_writes_into_the_run_it_reads(workdir, tmp_path):
+    out = tmp_path / 'done'
+    shutil.copytree(workdir / 'run', out)
+    before = {name: (out / name).read_bytes() for name in ('ckpt.pt', 'log.jsonl')}
+    for args in (['--init_from=resume', '--router=seqtopk'],  # resumed at its last step
+                 [],  # a fresh model's evaluation, pointed at the run's folder
+                 [f'--init_from={out}/ckpt.pt', '--router=batchtopk']):
+        result = run('train.py', TINY, f'--out_dir={out}', '--eval_only=True', *args, cwd=workdir)
+        assert result.returncode == 0 and 'val ce' in result.stdout, result.stderr
+        assert {name: (out / name).read_bytes() for name in before} == before
+        assert sorted(os.listdir(out)) == ['ckpt.pt', 'log.jsonl', 'run.lock'][:len(os.listdir(out))]
+    # asked to, it writes its numbers into a folder of its own: a log, marked an evaluation
+    result = run('train.py', TINY, f'--init_from={out}/ckpt.pt', '--eval_only=True', '--router=seqtopk',
+                 f'--out_dir={tmp_path}/eval', cwd=workdir)
+    assert result.returncode == 0, result.stderr
+    records = [json.loads(line) for line in open(tmp_path / 'eval' / 'log.jsonl')]
+    assert [r['event'] for r in records] == ['start', 'eval', 'done']
+    assert records[0]['eval_only'] and records[-1]['eval_only'] and records[-1]['iter'] == 10
+    assert not (tmp_path / 'eval' / 'ckpt.pt').exists()
+
+
+def test_an_overwritten_run_stopped_before_its_first_save_never_resumes_the_old_checkpoint(workdir, tmp_path):
+    out = tmp_path / 'over'
+    shutil.copytree(workdir / 'run', out)  # a finished run: its checkpoint at step 10
+    old_id = json.loads(open(out / 'log.jsonl').readline())['run_id']
+    proc = subprocess.Popen([sys.executable, os.path.join(REPO, 'train.py'), TINY, f'--out_dir={out}',
+                             '--overwrite=True', '--max_iters=100000', '--eval_interval=100000',
+                             '--log_interval=1'], cwd=workdir, env=OFFLINE_ENV, stdout=subprocess.PIPE, text=True)
+    for line in proc.stdout:
+        if line.startswith('iter 2:'):
+            proc.kill()  # an OOM kill or a preemption without notice: no save
+            break
+    proc.wait()
+    assert not (out / 'ckpt.pt').exists()  # the old run's checkpoint was moved out of the way first
+    assert (out / 'replaced' / 'ckpt.pt').exists() and (out / 'replaced' / 'log.jsonl').exists()
+    assert json.loads(open(out / 'log.jsonl').readline())['run_id'] != old_id
+    line = one_error_line(run('train.py', TINY, f'--out_dir={out}', '--init_from=resume', cwd=workdir))
+    assert 'there is no checkpoint at' in line
+    # a checkpoint left beside another run's log (moved back by hand, or by an older seqmoe): refused
+    shutil.copy(out / 'replaced' / 'ckpt.pt', out / 'ckpt.pt')
+    line = one_error_line(run('train.py', TINY, f'--out_dir={out}', '--init_from=resume', cwd=workdir))
+    assert f"{out}/ckpt.pt is not the checkpoint of the run in {out}/log.jsonl" in line, line
+    # and a run whose log exists without a checkpoint is a run all the same: not replaced silently
+    os.remove(out / 'ckpt.pt')
+    line = one_error_line(run('train.py', TINY, f'--out_dir={out}', cwd=workdir))
+    assert 'already holds a run' in line
+
+
+# -----------------------------------------------------------------------------
+# settings checked as the run will use them: a resumed run's merged with its checkpoint's
+
+def test_a_resumed_run_s_settings_are_checked_as_merged_with_its_checkpoint(workdir, tmp_path):
+    out = tmp_path / 'wide'
+    first = run('train.py', TINY, '--n_exp=16', '--max_iters=2', f'--out_dir={out}', cwd=workdir)
+    assert first.returncode == 0, first.stderr
+    # no --n_exp here (the command line's default is 8): k=12 fits the checkpoint's 16 experts
+    model = ['--n_layer=2', '--n_head=2', '--n_embd=32', '--exp_dim=32', '--block_size=32']
+    again = run('train.py', *model, '--batch_size=4', '--eval_iters=1', '--k_schedule=0:12', '--max_iters=4',
+                '--log_interval=1',
+                '--init_from=resume', f'--out_dir={out}', cwd=workdir)
+    assert again.returncode == 0, again.stderr
+    assert [r['experts'] for r in map(json.loads, open(out / 'log.jsonl')) if r['event'] == 'train'][-1] == 12.0
+    assert "between 1 and --n_exp=16" in one_error_line(run(
+        'train.py', *model, '--k_schedule=0:17', '--max_iters=6', '--init_from=resume', f'--out_dir={out}',
+        cwd=workdir))
+    # the data is checked against the context that trains: the checkpoint's 32 tokens, not the default 128
+    short = tmp_path / 'data' / 'short'
+    os.makedirs(short)
+    for name in ('train.bin', 'val.bin'):
+        (short / name).write_bytes((workdir / 'data' / 'shakespeare_char' / name).read_bytes()[:200])
+    shutil.copy(workdir / 'data' / 'shakespeare_char' / 'meta.json', short)
+    tuned = run('train.py', '--dataset=short', f"--init_from={workdir / 'run' / 'ckpt.pt'}", '--max_iters=2',
+                '--eval_iters=1', '--batch_size=2', f'--out_dir={tmp_path}/ft', cwd=tmp_path)
+    assert tuned.returncode == 0, tuned.stderr
+
+
+def test_resuming_with_another_router_measures_its_best_val_loss_afresh(workdir, tmp_path):
+    out = tmp_path / 'switch'
+    shutil.copytree(workdir / 'run', out)
+    ckpt = torch.load(out / 'ckpt.pt', weights_only=True)
+    torch.save(dict(ckpt, best_val_loss=0.0), out / 'ckpt.pt')  # a best no evaluation can beat
+    common = [TINY, f'--out_dir={out}', '--init_from=resume', '--eval_interval=2', '--max_iters=14']
+    result = run('train.py', *common, '--router=seqtopk', cwd=workdir)
+    assert result.returncode == 0, result.stderr
+    evals = [r for r in map(json.loads, open(out / 'log.jsonl')) if r['event'] == 'eval' and r['iter'] > 10]
+    saved = torch.load(out / 'ckpt.pt', weights_only=True)
+    assert saved['best_val_loss'] == pytest.approx(min(r['val_ce'] for r in evals))  # seqtopk's own best
+    assert saved['model_args']['router'] == 'seqtopk'
+
+
+def test_two_runs_on_a_fresh_machine_prepare_the_built_in_data_once_between_them(tmp_path):
+    runs = [subprocess.Popen([sys.executable, os.path.join(REPO, 'train.py'), TINY, '--max_iters=2',
+                              f'--out_dir=out{i}'], cwd=tmp_path, env=OFFLINE_ENV, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True) for i in range(2)]
+    outputs = [proc.communicate(timeout=300) for proc in runs]
+    assert all(proc.returncode == 0 for proc in runs), outputs
+    assert sum('preparing the built-in dataset' in out for out, _ in outputs) == 1  # the other waited
+    assert sorted(os.listdir(tmp_path / 'data' / 'shakespeare_char')) == ['meta.json', 'train.bin', 'val.bin']

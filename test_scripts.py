@@ -211,6 +211,24 @@ def test_a_hub_dataset_offline_fails_at_once_with_one_line(tmp_path):
     assert len(result.stderr.strip().splitlines()) == 1 and '--text=PATH' in result.stderr
 
 
+def test_without_the_offline_flags_an_unreachable_hub_is_probed_once_and_fails_at_once(tmp_path):
+    # the flags unset, as on a user's machine: prepare.py probes the hub once (here refused), then
+    # reads the local cache only, instead of waiting on the network's retries
+    driver = (f"import socket, runpy, sys; sys.argv = sys.argv[1:]; sys.path.insert(0, {REPO!r})\n"
+              "def refused(address, *args, **kwargs):\n"
+              "    open('probes', 'a').write(f'{address[0]}:{address[1]}\\n')\n"
+              "    raise OSError('refused')\n"
+              "socket.create_connection = refused\n"
+              "runpy.run_path(sys.argv[0], run_name='__main__')\n")
+    env = {k: v for k, v in OFFLINE_ENV.items() if k not in ('HF_DATASETS_OFFLINE', 'HF_HUB_OFFLINE')}
+    env.update(HF_HOME=str(tmp_path / 'hf'), HF_DATASETS_CACHE=str(tmp_path / 'cache'))
+    result = subprocess.run([sys.executable, '-c', driver, os.path.join(REPO, 'prepare.py'),
+                             '--dataset=roneneldan/TinyStories'], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert (tmp_path / 'probes').read_text() == 'huggingface.co:443\n'
+    assert 'the hub is not reachable' in one_error_line(result)
+
+
 def test_prepare_without_the_datasets_package_says_what_to_install(tmp_path, monkeypatch):
     (tmp_path / 'stories.txt').write_text('once upon a time\n')
     monkeypatch.chdir(tmp_path)
@@ -288,24 +306,32 @@ def last_eval(out_dir):
     return evals[-1]
 
 
-@pytest.mark.parametrize("router", ["seqtopk", "relu"])
+@pytest.mark.parametrize("router", ["seqtopk", "relu", "batchtopk", "mrltopk", "windowtopk", "topk+balance=bias"])
 def test_ddp_on_two_cpu_processes_matches_one_process_with_the_same_global_batch(workdir, router):
-    # relu: lambda and the thresholds step once per step, from the active fractions of every micro-batch
-    common = [os.path.join(REPO, 'config', 'tiny.py'), f'--router={router}', '--gradient_accumulation_steps=2',
-              '--max_iters=6', '--eval_interval=6', '--relu_l1_init=0.01', '--device=cpu']
-    single = run('train.py', *common, f'--out_dir=single-{router}', cwd=workdir)
+    # relu: lambda and the thresholds step once per step, from the active fractions of every micro-batch;
+    # batchtopk's threshold, once per step from every micro-batch's smallest selected score; mrltopk's
+    # k, drawn alike on every rank; windowtopk's windows, within a micro-batch; the balance bias, from the
+    # loads of every micro-batch
+    name, *extra = router.split('+')
+    common = [os.path.join(REPO, 'config', 'tiny.py'), f'--router={name}', *[f'--{e}' for e in extra],
+              '--gradient_accumulation_steps=2', '--max_iters=6', '--eval_interval=6', '--relu_l1_init=0.01',
+              '--device=cpu'] + (['--top_k=4'] if name == 'mrltopk' else [])
+    tag = router.replace('+', '-').replace('=', '-')
+    single = run('train.py', *common, f'--out_dir=single-{tag}', cwd=workdir)
     assert single.returncode == 0, single.stderr
     ddp = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
-                          os.path.join(REPO, 'train.py'), *common, f'--out_dir=ddp-{router}'],
+                          os.path.join(REPO, 'train.py'), *common, f'--out_dir=ddp-{tag}'],
                          cwd=workdir, env=OFFLINE_ENV, capture_output=True, text=True, timeout=300)
     assert ddp.returncode == 0, ddp.stderr
     assert '2 processes' in ddp.stdout
-    a, b = last_eval(workdir / f'single-{router}'), last_eval(workdir / f'ddp-{router}')
+    a, b = last_eval(workdir / f'single-{tag}'), last_eval(workdir / f'ddp-{tag}')
     assert a['iter'] == b['iter'] == 6
     assert abs(a['val_ce'] - b['val_ce']) < 1e-4 and abs(a['train_ce'] - b['train_ce']) < 1e-4
-    if router == 'relu':  # the same lambda and thresholds, and they moved
-        for key in ('l1_coef', 'threshold'):
-            assert [l[key] for l in a['layers']] == pytest.approx([l[key] for l in b['layers']], rel=1e-5, abs=1e-7)
+    buffers = {'relu': ('l1_coef', 'threshold'), 'batchtopk': ('threshold',), 'topk': ('expert_bias',)}
+    for key in buffers.get(name, ()):  # the same router state, and it moved
+        assert np.array([l[key] for l in a['layers']]) == pytest.approx(
+            np.array([l[key] for l in b['layers']]), rel=1e-5, abs=1e-7)
+    if name == 'relu':
         assert all(l['l1_coef'] != 0.01 for l in a['layers']) and any(l['threshold'] < 0 for l in a['layers'])
 
 
@@ -336,3 +362,69 @@ def test_resume_with_another_architecture_is_a_clear_error(workdir):
     assert 'trained with n_exp=4' in result.stderr
     again = run('train.py', os.path.join(REPO, 'config', 'tiny.py'), f'--out_dir={out}', cwd=workdir)
     assert again.returncode != 0 and 'already holds a run' in again.stderr  # no silent overwrite
+
+
+# -----------------------------------------------------------------------------
+# the options that change how a run trains or generates, each through its script
+
+def train_records(out_dir, event='train'):
+    return [r for r in map(json.loads, open(out_dir / 'log.jsonl')) if r['event'] == event]
+
+
+def test_seq_causal_training_routes_by_the_online_rule_and_reports_the_causal_loss(workdir):
+    out = workdir / 'causal'
+    result = run('train.py', TINY, '--router=seqtopk', '--seq_causal=True', f'--out_dir={out}', cwd=workdir)
+    assert result.returncode == 0, result.stderr
+    # offline SeqTopK spends exactly T*K in training; the online rule lets prefixes overspend
+    assert any(r['experts'] != 2.0 for r in train_records(out))
+    done = train_records(out, 'done')[0]
+    assert done['val_ce'] == done['val_ce_causal'] != done['val_ce_offline']
+
+
+def test_compiled_training_through_train_py_follows_the_eager_run(workdir):
+    runs = {}
+    for compile in (False, True):
+        out = workdir / f'compile-{compile}'
+        result = run('train.py', TINY, '--router=seqtopk', f'--compile={compile}', '--max_iters=10',
+                     '--log_interval=1', f'--out_dir={out}', cwd=workdir)
+        assert result.returncode == 0, result.stderr
+        runs[compile] = [r['ce'] for r in train_records(out)]
+    assert runs[True] == pytest.approx(runs[False], rel=1e-3)
+
+
+def test_moe_impl_loop_through_the_settings_runs_the_experts_without_the_grouped_kernel(workdir):
+    # a driver makes fast.py's grouped matmul fail: only --moe_impl=loop trains past it
+    driver = (f"import runpy, sys; sys.path.insert(0, {REPO!r}); import fast\n"
+              "def refused(*args):\n    raise SystemExit('error: the grouped kernel ran')\n"
+              "fast.grouped_mm = refused\nsys.argv = sys.argv[1:]\nrunpy.run_path(sys.argv[0], run_name='__main__')\n")
+    common = [os.path.join(REPO, 'train.py'), TINY, '--max_iters=2', '--overwrite=True', '--out_dir=impl']
+    results = {impl: subprocess.run([sys.executable, '-c', driver, *common, f'--moe_impl={impl}'], cwd=workdir,
+                                    env=OFFLINE_ENV, capture_output=True, text=True, timeout=300)
+               for impl in ('grouped', 'loop')}
+    assert results['loop'].returncode == 0, results['loop'].stderr
+    assert 'the grouped kernel ran' in results['grouped'].stderr
+
+
+def test_fp16_training_scales_its_loss_and_trains(workdir):
+    out = workdir / 'fp16'
+    result = run('train.py', TINY, '--dtype=float16', '--device=cpu', '--log_interval=1', f'--out_dir={out}',
+                 cwd=workdir)
+    assert result.returncode == 0, result.stderr
+    assert 'float16 with loss scaling' in result.stdout
+    ces = [r['ce'] for r in train_records(out)]
+    assert all(np.isfinite(ces)) and ces[-1] < ces[0]
+
+
+def test_sample_routes_the_prompt_jointly_when_asked(workdir):
+    out = workdir / 'joint-run'
+    assert run('train.py', TINY, '--router=seqtopk', f'--out_dir={out}', cwd=workdir).returncode == 0
+    prompt = 'ROMEO: What say you?'
+    spent = {}
+    for how in ('online', 'joint'):
+        result = run('sample.py', f'--out_dir={out}', f'--start={prompt}', '--max_new_tokens=5',
+                     '--num_samples=1', f'--prompt_routing={how}', cwd=workdir)
+        assert result.returncode == 0, result.stderr
+        assert f'prompt routed {how}' in result.stdout
+        spent[how] = json.loads(result.stdout.split("tokens took ")[1].split(' per layer')[0])
+    assert spent['joint'] == [len(prompt) * 2] * 2  # SeqTopK over the whole prompt: exactly T*K per layer
+    assert spent['online'] != spent['joint']

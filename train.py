@@ -13,7 +13,7 @@ import math
 import os
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import numpy as np
 import torch
@@ -22,8 +22,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import checkpoint as ckpt_io
 import prepare
-from configurator import (Rule, at_step, configure, device_name, fraction, non_empty,
-                          non_negative, non_negative_int, one_of, positive, positive_int, schedule)
+from configurator import (Rule, at_step, check, configure, device_name, fraction, non_empty,
+                          non_negative, non_negative_int, one_of, positive, positive_int,
+                          schedule)
 from fast import FAST
 from model import GPT, GPTConfig
 from router import ROUTERS, step_ks
@@ -78,16 +79,17 @@ RULES = dict(
     seed=non_negative_int)
 
 
-RELATIONS = [
-    ('min_lr', lambda c: c['min_lr'] <= c['learning_rate'],
-     'at most --learning_rate={learning_rate}'),
+RELATIONS = [('min_lr', lambda c: c['min_lr'] <= c['learning_rate'],
+              'at most --learning_rate={learning_rate}')]
+# checked on the model's settings as the run will use them (a checkpoint's, merged): model_config
+MODEL_RELATIONS = [
     ('k_schedule', lambda c: not c['k_schedule'] or schedule(c['k_schedule']) and all(
         1 <= k <= c['n_exp'] for _, k in schedule(c['k_schedule'])),
      "'step:k/step:k/...', steps rising from 0, each k between 1 and --n_exp={n_exp}"),
     ('k_schedule', lambda c: not c['k_schedule'] or ROUTERS.get(c['router'], ROUTERS['topk'])
      .per_step_k, "'' with --router={router}: only " +
      ', '.join(n for n, r in ROUTERS.items() if r.per_step_k) + " route with a per-step k")]
-config, overridden = configure(globals(), sys.argv[1:], RULES, RELATIONS)
+config, overridden = configure(globals(), sys.argv[1:], RULES, RELATIONS, GPTConfig)
 t_begin = time.time()
 
 # -----------------------------------------------------------------------------
@@ -95,26 +97,62 @@ t_begin = time.time()
 ddp = 'RANK' in os.environ  # launched by torchrun: NCCL on GPUs, gloo on the CPU
 rank, world_size = (int(os.environ['RANK']), int(os.environ['WORLD_SIZE'])) if ddp else (0, 1)
 master_process = rank == 0
-run = ckpt_io.RunFiles(out_dir)  # log.jsonl and ckpt.pt, written by rank 0
+run = ckpt_io.RunFiles(out_dir, write=master_process)  # log.jsonl and ckpt.pt
 stopper = Stopper(run, ddp, master_process, world_size, learning_rate)  # how the run stops
 fail = stopper.fail
 
 
 def model_config(model_args):
-    """The GPTConfig of these settings, or the one line saying which one it cannot have."""
+    """The GPTConfig of these settings, or the one line saying which one it cannot have (checked
+    as the run will use them: a resumed or fine-tuned run's once merged with its checkpoint's)."""
     try:
         checked = GPTConfig(**model_args)
         checked.validate()
+        check(dict(config, **model_args), {}, MODEL_RELATIONS)
     except ValueError as e:
         fail(e)
     return checked
 
 
-model_args = {k: config[k] for k in ckpt_io.MODEL_KEYS if k in config}
-if init_from == 'scratch':  # resuming or fine-tuning: checked once merged with the checkpoint's
-    model_config(model_args)
 if problem := ckpt_io.out_dir_problem(out_dir):
     fail(f"--out_dir={out_dir} {problem}")
+
+# -----------------------------------------------------------------------------
+# the model's settings, merged with the checkpoint a run continues from (resume or fine-tune)
+model_args = {k: config[k] for k in ckpt_io.MODEL_KEYS if k in config}
+iter_num, best_val_loss, checkpoint, run_id = 0, float('inf'), {}, ckpt_io.new_run_id()
+from_run = None  # the run fine-tuned from
+code = ckpt_io.code_version() if master_process else None  # the commit this process runs
+source = {'scratch': None, 'resume': run.ckpt_path}.get(init_from, init_from)
+if source is not None:
+    try:
+        checkpoint, model_args = ckpt_io.load_to_continue(
+            source, init_from == 'resume', model_args, overridden, quiet=not master_process)
+    except ValueError as e:
+        fail(e)
+cfg = model_config(model_args)
+block_size = cfg.block_size  # the batches fit the model's context (a checkpoint's, continued)
+if init_from == 'resume':
+    if (logged := ckpt_io.log_run_id(run.log_path)) not in (None, checkpoint.get('run_id')):
+        fail(f"{source} is not the checkpoint of the run in {run.log_path} (run {logged}): "
+             f"that run replaced it and stopped before its first save; start again with "
+             f"--overwrite=True, or give another --out_dir")
+    iter_num = run.saved_iter = checkpoint['iter_num']
+    run_id, from_run = checkpoint.get('run_id', run_id), checkpoint.get('from_run')
+    # the best val loss is the checkpoint's only under the routing it was measured with
+    same_routing = all(checkpoint['model_args'].get(k) == v for k, v in model_args.items())
+    best_val_loss = checkpoint['best_val_loss'] if same_routing else float('inf')
+elif checkpoint:
+    from_run = checkpoint.get('run_id')
+    iter_num = checkpoint.get('iter_num', 0) if eval_only else 0  # an evaluation: its step
+if eval_only:  # an evaluation reads a checkpoint and writes into no training run's folder
+    run.write = master_process and not ckpt_io.holds_run(out_dir)
+elif init_from != 'resume' and ckpt_io.holds_run(out_dir) and not overwrite:
+    fail(f"{out_dir}/ already holds a run; continue it with --init_from=resume, "
+         f"or pick another --out_dir, or pass --overwrite=True to replace it")
+
+# -----------------------------------------------------------------------------
+# the device and the data
 data_dir = os.path.join('data', dataset)
 try:
     device = pick_device(device)
@@ -125,9 +163,17 @@ try:
         prepare.on_first_use(dataset, data_dir)
     if ddp:
         dist.barrier()  # the other ranks wait for rank 0 to prepare the data
-    meta = prepare.check_data(data_dir, block_size)  # every file there, whole and long enough
 except ValueError as e:
     fail(e)
+try:
+    meta = prepare.check_data(data_dir, block_size)  # every file there, whole and long enough
+    if checkpoint:
+        ckpt_io.check_vocabulary(checkpoint, source, meta, data_dir)
+except ValueError as e:
+    fail(e)
+cfg = replace(cfg, vocab_size=meta['vocab_size'])  # a checkpoint's: checked to be the same
+# -----------------------------------------------------------------------------
+# the data, the model and the optimizer
 device_type = 'cuda' if device.startswith('cuda') else device
 lr_decay_iters = lr_decay_iters or max_iters
 torch.manual_seed(seed)
@@ -141,45 +187,17 @@ batch_gen = torch.Generator().manual_seed(seed)  # draws the training batches; c
 
 
 def get_batch(split, generator=batch_gen):
-    # every rank draws the same stream and keeps its share: N processes see what one would
-    arr, ours = data[split], generator is batch_gen
-    draws = [torch.randint(len(arr) - block_size, (batch_size,), generator=generator)
-             for _ in range(world_size if ours else 1)]
-    ix = draws[rank if ours else 0].tolist()
-    x = torch.stack([torch.from_numpy(arr[i:i + block_size].astype(np.int64)) for i in ix])
-    y = torch.stack([torch.from_numpy(arr[i + 1:i + 1 + block_size].astype(np.int64)) for i in ix])
+    # every rank draws the training stream whole and keeps its share: N processes see what one would
+    ours = generator is batch_gen
+    x, y = prepare.get_batch(data[split], block_size, batch_size, generator,
+                             draws=world_size if ours else 1, take=rank if ours else 0)
     if device_type == 'cuda':
         return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device,
                                                                               non_blocking=True)
     return x.to(device), y.to(device)
 
 
-# -----------------------------------------------------------------------------
-# the model and optimizer, and the checkpoint they continue from (resume or fine-tune)
-model_args['vocab_size'] = meta['vocab_size']
-iter_num, best_val_loss, checkpoint, run_id = 0, float('inf'), {}, ckpt_io.new_run_id()
-from_run = None  # the run fine-tuned from
-code = ckpt_io.code_version() if master_process else None  # the commit this process runs
-source = {'scratch': None, 'resume': run.ckpt_path}.get(init_from, init_from)
-if source is not None:
-    try:
-        checkpoint, model_args = ckpt_io.load_to_continue(
-            source, init_from == 'resume', model_args, overridden, meta, data_dir,
-            quiet=not master_process)
-    except ValueError as e:
-        fail(e)
-    model_config(model_args)
-    block_size = model_args['block_size']  # the batches fit the checkpoint's context
-    if init_from == 'resume':
-        iter_num = run.saved_iter = checkpoint['iter_num']
-        best_val_loss = checkpoint['best_val_loss']
-        run_id, from_run = checkpoint.get('run_id', run_id), checkpoint.get('from_run')
-    else:
-        from_run = checkpoint.get('run_id')
-if init_from != 'resume' and os.path.exists(run.ckpt_path) and not overwrite and not eval_only:
-    fail(f"{out_dir}/ already holds a run; continue it with --init_from=resume, "
-         f"or pick another --out_dir, or pass --overwrite=True to replace it")
-model = GPT(model_config(model_args))
+model = GPT(cfg)
 if checkpoint:
     ckpt_io.load_weights(model, checkpoint, source, quiet=not master_process)
 model.to(device)
@@ -189,8 +207,8 @@ if init_from == 'resume':  # a fine-tune starts a fresh optimizer (and warmup) o
         ckpt_io.restore_state(checkpoint, source, optimizer, batch_gen)
     except ValueError as e:
         fail(e)
-run.claim(lock=master_process)  # out_dir, held by this run until it exits
-scaler = torch.amp.GradScaler(enabled=(dtype == 'float16' and device_type == 'cuda'))
+run.claim()  # out_dir, held by this run until it exits (rank 0, when it writes there)
+scaler = torch.amp.GradScaler(device_type, enabled=dtype == 'float16')  # fp16: loss scaling
 raw_model, cfg, routers = model, model.config, model.routers()  # no routers: a dense GPT
 if compile:
     model = torch.compile(model)
@@ -279,7 +297,8 @@ def evaluate_and_save():
                  **{f'{split}_{k}': v for split, d in losses.items() for k, v in d.items()}))
     improved = losses['val']['ce'] < best_val_loss
     best_val_loss = min(best_val_loss, losses['val']['ce'])
-    if iter_num > 0 and (improved or always_save_checkpoint or iter_num >= max_iters):
+    if iter_num > 0 and not eval_only and (improved or always_save_checkpoint or
+                                           iter_num >= max_iters):
         run.save(checkpoint_now())
 
 
@@ -291,9 +310,9 @@ def average_router_state():  # under DDP: every rank routes alike
 
 # -----------------------------------------------------------------------------
 # the training loop (rank 0 evaluates, logs and saves)
-if init_from != 'resume' and not eval_only and master_process:
-    run.new_log()
-    run.log(dict(event='start', config=config, model_args=asdict(cfg), run_id=run_id,
+if init_from != 'resume' or eval_only:  # a new run, or an evaluation in a folder of its own
+    run.new_log()  # the run this one replaces moved out of the way first (out_dir/replaced/)
+    run.log(dict(event='start', eval_only=eval_only, config=config, model_args=asdict(cfg), run_id=run_id,
                  from_run=from_run, code=code, params=raw_model.num_params(),
                  active_params=raw_model.num_params(active=True)))
     stopper.write_failed()
