@@ -1,8 +1,7 @@
 """
-A run's files: reading and writing ckpt.pt, appending to log.jsonl, and the out_dir that holds them.
-Saves are atomic; loading (always with weights_only=True) turns any file that is not a complete
-seqmoe checkpoint into one line saying what is wrong with which file: empty, truncated, not a torch
-file, another project's (nanoGPT's), missing keys, weights that do not fit the model.
+A training run's files: the data it reads, and the ckpt.pt and log.jsonl it writes, each whole,
+in the out_dir it holds. A checkpoint loads with weights_only=True, and anything wrong with it is
+one line; a Run stops every rank at the same step, its last good checkpoint kept.
 """
 import fcntl
 import glob
@@ -10,6 +9,8 @@ import io
 import json
 import os
 import re
+import shlex
+import signal
 import socket
 import subprocess
 import sys
@@ -20,54 +21,130 @@ import warnings
 from contextlib import contextmanager, suppress
 from dataclasses import fields
 
+import numpy as np
 import torch
+import torch.distributed as dist
+from tqdm import tqdm
 
 from model import ARCHITECTURE, GPTConfig
 
 MODEL_KEYS = [f.name for f in fields(GPTConfig)]  # the settings a checkpoint's model_args hold
-# model settings added since the first checkpoints, with the values that reproduce a checkpoint written
-# before them (the paper's gates: the selected softmax scores, unscaled), and the buffers added with them
-LEGACY_MODEL_ARGS = dict(score_func='softmax', route_scale=1.0, balance='aux', balance_rate=1e-3,
-                         rope=False)
-# settings that may change on resume or fine-tuning: all but the architecture
-ROUTING_KEYS = set(MODEL_KEYS) - set(ARCHITECTURE)
-# a router's state buffers: each router keeps its own, so a checkpoint of another router (or one
-# from before routers kept only theirs) has others; a router starts those it lacks afresh
-ROUTER_STATE = tuple(f'.router.{name}' for name in (
-    'threshold', 'calibrated', 'smallest_sum', 'smallest_count', 'l1_coef', 'active_sum', 'active_count', 'expert_bias',
-    'expert_load'))
+ROUTING_KEYS = set(MODEL_KEYS) - set(ARCHITECTURE)  # those that may change on resume or fine-tune
+BUILTIN = {'shakespeare_char': [], 'shakespeare': ['--tokenizer=gpt2']}  # prepare.py's arguments
+DEFAULT_DATASET = 'shakespeare_char'
+LOCK = 'run.lock'  # in out_dir: held by the run that writes there, with its pid and start
+HELD = []  # the lock files this process holds, open until it exits
 
 
 def code_version():
-    """The commit of this code ('1a2b3c4', '+dirty' with uncommitted changes), None outside git."""
+    """This code's commit ('1a2b3c4', '+dirty' with uncommitted changes); None outside git."""
     def git(*args):
         return subprocess.run(['git', '-C', os.path.dirname(os.path.abspath(__file__)), *args],
                               capture_output=True, text=True, timeout=30)
     try:
-        commit = git('rev-parse', '--short', 'HEAD')
-        if commit.returncode:
-            return None
-        dirty = git('status', '--porcelain', '--untracked-files=no').stdout.strip()
+        commit, dirty = git('rev-parse', '--short', 'HEAD'), git('status', '--porcelain', '-uno')
     except (OSError, subprocess.SubprocessError):
         return None
-    return commit.stdout.strip() + ('+dirty' if dirty else '')
+    return None if commit.returncode else commit.stdout.strip() + '+dirty' * bool(dirty.stdout)
 
 
 def new_run_id():  # what names one run in its log, its checkpoint and a sweep's table
     return uuid.uuid4().hex[:12]
 
 
-def non_finite(state_dict):
-    """Names of the floating-point tensors in state_dict holding a NaN or an inf."""
+def non_finite(state_dict):  # the names of the tensors holding a NaN or an inf
     return [name for name, t in state_dict.items()
             if torch.is_tensor(t) and t.is_floating_point() and not torch.isfinite(t).all()]
 
 
+# -----------------------------------------------------------------------------
+# the data a run reads: prepare.py's folders, data/<dataset>
+
+def rebuild_command(data_dir):  # the prepare.py command that makes data_dir
+    name = os.path.basename(os.path.normpath(data_dir))
+    if name in BUILTIN:
+        return f"`{' '.join(['python prepare.py', *BUILTIN[name], f'--dataset={name}'])}`"
+    return f"`python prepare.py --text=FILE --dataset={name}` (or `--source=SOURCE`)"
+
+
+def on_first_use(dataset, data_dir):
+    """Prepare a built-in dataset the first time a run asks for it, one process at a time;
+    ValueError for any other that is missing."""
+    whole = os.path.join(data_dir, 'meta.json')  # written last: the folder is whole
+    if os.path.exists(whole) or dataset not in BUILTIN and os.path.exists(data_dir):
+        return  # check_data says what is missing
+    if dataset not in BUILTIN:
+        raise ValueError(f"no data in {data_dir}/; make it with {rebuild_command(data_dir)}, or "
+                         f"use the built-in --dataset={DEFAULT_DATASET}")
+    os.makedirs(os.path.dirname(os.path.abspath(data_dir)), exist_ok=True)
+    lock(data_dir + '.lock', wait=True)
+    if not os.path.exists(whole):
+        print(f"preparing the built-in dataset '{dataset}' in {data_dir}/", flush=True)
+        script = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'prepare.py')
+        made = subprocess.run([sys.executable, script, *BUILTIN[dataset], f'--dataset={dataset}'],
+                              stdout=sys.stdout, stderr=subprocess.PIPE, text=True)
+        if made.returncode:
+            raise ValueError(made.stderr.strip().splitlines()[-1].removeprefix('error: '))
+
+
+def check_data(data_dir, block_size):
+    """The meta.json of a data folder prepare.py made, after checking train.bin and val.bin:
+    whole uint16 tokens, more than block_size + 1, every id in the vocabulary. Else ValueError:
+    the file, what is wrong, the command that rebuilds it."""
+    redo = f"rebuild it with {rebuild_command(data_dir)}"
+    path = os.path.join(data_dir, 'meta.json')
+    for name in ('train.bin', 'val.bin', 'meta.json'):
+        if not os.path.isfile(os.path.join(data_dir, name)):
+            raise ValueError(f"{os.path.join(data_dir, name)} is missing; {redo}")
+    try:  # JSON: a data folder from elsewhere cannot run code
+        meta = json.load(open(path, encoding='utf-8'))
+    except Exception as e:  # any unreadable file: one line, not a traceback
+        raise ValueError(f"{path} cannot be read ({type(e).__name__}); {redo}") from None
+    if not isinstance(meta, dict) or not isinstance(meta.get('vocab_size'), int) or \
+            meta.get('tokenizer') not in ('char', 'gpt2') or \
+            meta['tokenizer'] == 'char' and not isinstance(meta.get('itos'), list):
+        raise ValueError(f"{path} is not a meta.json written by prepare.py (it needs a tokenizer, "
+                         f"'char' or 'gpt2', and its vocab_size); {redo}")
+    if meta['tokenizer'] == 'char':
+        meta['itos'] = dict(enumerate(meta['itos']))
+        meta['stoi'] = {ch: i for i, ch in meta['itos'].items()}
+    for split in ('train', 'val'):
+        path = os.path.join(data_dir, f'{split}.bin')
+        size = os.path.getsize(path)
+        if size % 2:
+            raise ValueError(f"{path} is {size} bytes, not a whole number of uint16 tokens; "
+                             f"{redo}")
+        if size // 2 <= block_size + 1:
+            raise ValueError(f"{path} has {size // 2} tokens, too few for block_size={block_size}; "
+                             f"use a smaller --block_size, or more text")
+        ids, step = np.memmap(path, dtype=np.uint16, mode='r'), 1 << 26  # ids from elsewhere?
+        largest = max(int(ids[i:i + step].max()) for i in tqdm(
+            range(0, len(ids), step), desc=f'checking {path}', disable=len(ids) <= step))
+        if largest >= meta['vocab_size']:
+            raise ValueError(f"{path} holds token id {largest}, past the vocabulary of "
+                             f"{meta['vocab_size']} ids in meta.json (another tokenizer wrote it); "
+                             f"{redo}")
+    return meta
+
+
+def get_batch(data, block_size, batch_size, generator, draws=1, take=0):
+    """(x, y) (batch_size, block_size): sequences at random offsets of a split's ids and their
+    next tokens. `draws` sets of offsets drawn (one per DDP rank), set `take` used: N processes
+    see what one would."""
+    offsets = [torch.randint(len(data) - block_size, (batch_size,), generator=generator)
+               for _ in range(draws)][take].tolist()
+    x, y = (torch.stack([torch.from_numpy(data[i + shift:i + shift + block_size].astype(np.int64))
+                         for i in offsets]) for shift in (0, 1))
+    return x, y
+
+
+# -----------------------------------------------------------------------------
+# files written whole, logs appended whole, folders held by one process
+
 @contextmanager
 def written(path):
-    """Yields a temporary path, unique to this writer, to write path's content to; renamed to path
-    when the block ends, removed if it fails: a kill or a full disk never leaves half a file, and
-    two processes writing one file never write into each other's."""
+    """A temporary path of this writer's own, renamed to path when the block ends, removed if it
+    fails: a kill or a full disk never leaves half a file."""
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or '.',
                                prefix=os.path.basename(path) + '.', suffix='.tmp')
     os.close(fd)
@@ -83,21 +160,17 @@ def written(path):
 
 
 def save(ckpt, path):
-    """Write to a temporary file, then rename (written): a run killed mid-save keeps its last good
-    checkpoint. When the file system refuses (disk full, quota, I/O error), OSError naming path, with the
-    temporary file removed and the last checkpoint as it was."""
+    """torch.save through written(), on disk before the rename; OSError naming path if refused."""
     buffer = io.BytesIO()
     torch.save(ckpt, buffer)  # in memory first: a failed write is then an OSError that says why
     with written(path) as tmp, open(tmp, 'wb') as f:
         f.write(buffer.getbuffer())
         f.flush()
-        os.fsync(f.fileno())  # on disk before the rename: a crash cannot leave the new name on no data
+        os.fsync(f.fileno())
 
 
 def append_line(path, line):
-    """Append line to a log whose last line is whole (one cut off mid-write, by a run killed while
-    appending, is cut away first, with a note); when the file system refuses (OSError), the log is
-    cut back to its last whole line."""
+    """Append a line to a log, first cutting away a last line a killed run left half-written."""
     size = os.path.getsize(path) if os.path.exists(path) else 0
     if size:
         with open(path, 'rb') as f:
@@ -106,7 +179,8 @@ def append_line(path, line):
                 f.seek(0)
                 size = f.read().rfind(b'\n') + 1
                 os.truncate(path, size)
-                print(f"note: {path} ended in a line cut off mid-write; cut it back to its last whole line")
+                print(f"note: {path} ended in a line cut off mid-write; cut it back to its last "
+                      f"whole line")
     try:
         with open(path, 'a') as f:
             f.write(line + '\n')
@@ -117,32 +191,24 @@ def append_line(path, line):
 
 
 def read_log(path):
-    """The records of a log.jsonl, skipping lines that are not whole records (a run killed while
-    appending, an editor's save), with a note on stderr saying how many."""
+    """The records of a log.jsonl; lines that are not whole records skipped, with a note."""
     records, skipped = [], 0
-    with open(path, encoding='utf-8', errors='replace') as f:
-        for line in filter(str.strip, f):
-            try:
-                record = json.loads(line)
-            except ValueError:
-                record = None
-            if isinstance(record, dict):
-                records.append(record)
-            else:
-                skipped += 1
+    for line in filter(str.strip, open(path, encoding='utf-8', errors='replace')):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            record = None
+        records += [record] if isinstance(record, dict) else []
+        skipped += not isinstance(record, dict)
     if skipped:
-        print(f"note: {path}: skipped {skipped} line(s) that are not whole records", file=sys.stderr)
+        print(f"note: {path}: skipped {skipped} line(s) that are not whole records",
+              file=sys.stderr)
     return records
 
 
-LOCK = 'run.lock'  # in out_dir: held (flock) by the run that writes there, with its pid and start
-HELD = []  # the lock files this process holds, open until it exits
-
-
 def lock(path, wait=False):
-    """Hold the kernel's exclusive lock (flock) on the file at path until this process exits: a
-    process that is gone holds nothing, so no lock is ever left behind to take over. Returns
-    False when another process holds it (wait=True: waits for it instead)."""
+    """Hold the kernel's lock (flock) on path until this process exits (a dead process holds
+    nothing: no stale locks); False when another holds it (wait=True: wait)."""
     f = open(path, 'a+')
     try:
         fcntl.flock(f, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
@@ -150,14 +216,14 @@ def lock(path, wait=False):
         f.close()
         return False
     f.truncate(0)
-    f.write(f"pid {os.getpid()} on host {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}")
+    f.write(f"pid {os.getpid()} on host {socket.gethostname()}, since {time.strftime('%F %T')}")
     f.flush()
     HELD.append(f)
     return True
 
 
 def lock_holder(path):
-    """Who holds the lock at path ('pid P on host H, since T'), or None: no one."""
+    """Who holds the lock at path ('pid P on host H, since T'), or None."""
     if not os.path.exists(path) or any(f.name == path for f in HELD):
         return None
     with open(path) as f:
@@ -165,51 +231,204 @@ def lock_holder(path):
             fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except BlockingIOError:
             return f.read().strip() or 'just started'
-    return None
 
 
-class RunFiles:
-    """out_dir's log.jsonl and ckpt.pt as a run writes them (rank 0; write=False: nothing, as an
-    evaluation of a run's checkpoint): lines appended whole, checkpoints saved atomically. The first
-    write the file system refuses (disk full, quota, I/O error) is kept in `error` and nothing more
-    is written: the run then stops after its step, its last good checkpoint (step `saved_iter`)
-    left as it was."""
+# -----------------------------------------------------------------------------
+# loading a checkpoint: one line for whatever is wrong with it
 
-    def __init__(self, out_dir, saved_iter=None, write=True):
-        self.out_dir = out_dir
+def load(path, keys=('model', 'model_args', 'meta'), quiet=False):
+    """The checkpoint dict at path, with at least `keys`, or one error line (quiet: exit 1, as
+    torchrun's other ranks do). On the CPU: the RNG states must stay CPU tensors."""
+    def refuse(why):
+        raise SystemExit(1) if quiet else SystemExit(f"error: {path} {why}")
+    if os.path.getsize(path) == 0:
+        refuse("is empty, not a checkpoint")
+    try:
+        with warnings.catch_warnings():  # torch warns about odd pickles; the line below says enough
+            warnings.simplefilter('ignore')
+            ckpt = torch.load(path, map_location='cpu', weights_only=True)
+    except Exception as e:  # torch raises many kinds; what the user needs is which file and why
+        if refused := re.search(r'Unsupported global: GLOBAL (\S+)', str(e)):
+            refuse(f"holds Python objects ({refused.group(1)}) that safe loading "
+                   f"(weights_only=True) refuses; it was not written by seqmoe's train.py")
+        if open(path, 'rb').read(4) == b'PK\x03\x04':  # what torch.save writes
+            refuse("is truncated or corrupt (torch cannot read it as a checkpoint archive); use "
+                   "another checkpoint or train again")
+        refuse("is not a torch checkpoint file; give a ckpt.pt written by train.py")
+    if not isinstance(ckpt, dict):
+        refuse(f"holds a {type(ckpt).__name__}, not a checkpoint; give a ckpt.pt from train.py")
+    args, meta = ckpt.get('model_args'), ckpt.get('meta')
+    if isinstance(args, dict) and not {'n_exp', 'router'} <= set(args):
+        refuse("is a dense GPT checkpoint from another project (nanoGPT?): its model_args have no "
+               "n_exp or router; seqmoe loads only checkpoints written by its own train.py")
+    if missing := [k for k in keys if k not in ckpt]:
+        refuse(f"is not a complete seqmoe checkpoint: it has no {', '.join(missing)} "
+               f"(it has {', '.join(map(str, ckpt)) or 'nothing'})")
+    if isinstance(args, dict):
+        args.pop('moe_impl', None)  # a model setting once, since a choice of the scripts
+    if 'model_args' in keys and (not isinstance(args, dict) or set(args) - set(MODEL_KEYS)):
+        unknown = sorted(set(args) - set(MODEL_KEYS)) if isinstance(args, dict) else ['(no dict)']
+        refuse(f"has model settings this version does not know: {', '.join(unknown)}")
+    if 'meta' in keys and not (isinstance(meta, dict) and {'tokenizer', 'vocab_size'} <= set(meta)):
+        refuse("has no tokenizer in its meta; give a ckpt.pt written by train.py")
+    if 'model' in keys and not isinstance(ckpt['model'], dict):
+        refuse("has no weights (its 'model' is not a state dict)")
+    if 'model' in keys and (bad := non_finite(ckpt['model'])):
+        refuse(f"holds non-finite weights (NaN or inf in {bad[0]}); it cannot be used")
+    return ckpt
+
+
+def load_to_continue(source, resume, model_args, overridden, quiet=False):
+    """The checkpoint a run resumes or fine-tunes from, and the model settings merged: the saved
+    ones, but those the command line gives (only routing may differ); else ValueError."""
+    if not os.path.isfile(source):
+        raise ValueError(f"--init_from=resume but there is no checkpoint at {source}; start the "
+                         f"run with --init_from=scratch, or give the --out_dir of the run")
+    state = ('optimizer', 'iter_num', 'best_val_loss', 'batch_gen_state', 'torch_rng_state')
+    checkpoint = load(source, ('model', 'model_args', 'meta') + (state if resume else ()),
+                      quiet=quiet)
+    saved = checkpoint['model_args']
+    for k, value in saved.items():
+        if k in overridden and k not in ROUTING_KEYS and model_args.get(k) != value:
+            raise ValueError(f"{source} was trained with {k}={value!r}, this run asks for "
+                             f"{k}={model_args[k]!r}; drop --{k}, or train from scratch in another "
+                             f"--out_dir")
+    return checkpoint, {**model_args, **{k: v for k, v in saved.items() if k not in overridden}}
+
+
+def check_vocabulary(checkpoint, source, meta, data_dir):
+    """ValueError unless the data's vocabulary is the one the checkpoint was trained on."""
+    again = f"use the dataset it was trained on (--dataset={checkpoint.get('dataset')})"
+    if checkpoint['model_args'].get('vocab_size') != meta['vocab_size']:
+        raise ValueError(f"{source} has vocab_size={checkpoint['model_args'].get('vocab_size')}, "
+                         f"but {data_dir} has {meta['vocab_size']}; {again}")
+    saved = checkpoint['meta']
+    if (saved.get('tokenizer'), saved.get('itos')) != (meta['tokenizer'], meta.get('itos')):
+        what = (f"its tokenizer is {saved.get('tokenizer')}, the data's {meta['tokenizer']}"
+                if saved.get('tokenizer') != meta['tokenizer'] else
+                f"the same {meta['vocab_size']} ids stand for other characters")
+        raise ValueError(f"{source} was trained on another vocabulary than {data_dir}'s "
+                         f"({what}); {again}")
+
+
+def restore_state(checkpoint, source, optimizer, batch_gen):
+    """A resumed run's optimizer, batch stream and RNG as the checkpoint left them."""
+    try:
+        optimizer.load_state_dict(checkpoint['optimizer'])
+        batch_gen.set_state(checkpoint['batch_gen_state'])
+        torch.set_rng_state(checkpoint['torch_rng_state'])
+    except (ValueError, RuntimeError, TypeError, KeyError) as e:
+        raise ValueError(f"{source} has an optimizer or RNG state this run cannot restore "
+                         f"({type(e).__name__}); fine-tune from it instead: --init_from={source} "
+                         f"--out_dir=ANOTHER_DIR") from None
+
+
+def load_weights(model, ckpt, path, quiet=False):
+    """model.load_state_dict, or one line naming the keys that do not fit. A router's buffers
+    are its own: another router's are ignored, and those it lacks start afresh."""
+    try:
+        result = model.load_state_dict(ckpt['model'], strict=False)
+        missing = [k for k in result.missing_keys if k not in dict(model.named_buffers())]
+        unexpected = [k for k in result.unexpected_keys if '.router.' not in k]
+        why = (f"missing {', '.join(missing[:3]) or 'none'}, unexpected "
+               f"{', '.join(unexpected[:3]) or 'none'}" if missing or unexpected else None)
+    except RuntimeError as e:  # a shape mismatch
+        why = next((line.strip() for line in str(e).splitlines() if 'size mismatch' in line),
+                   str(e))[:200]
+    if why:
+        raise SystemExit(1) if quiet else SystemExit(
+            f"error: {path} has weights that do not fit its model_args ({why})")
+
+
+# -----------------------------------------------------------------------------
+# the run: its processes, its folder, how it stops on every rank at once
+
+def join_torchrun(device, accumulation, world_size):
+    """Join torchrun's process group (NCCL on GPUs, gloo on the CPU); this rank's device and its
+    share of the gradient accumulation steps, or ValueError."""
+    if device.startswith('cuda'):
+        local_rank, gpus = int(os.environ['LOCAL_RANK']), torch.cuda.device_count()
+        if int(os.environ.get('LOCAL_WORLD_SIZE', local_rank + 1)) > gpus:
+            raise ValueError(f"torchrun started more processes on this node than the {gpus} "
+                             f"visible GPU(s): use --nproc_per_node={gpus}, or --device=cpu (gloo)")
+        device = f"cuda:{local_rank}"
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend='nccl' if device.startswith('cuda') else 'gloo')
+    if accumulation > world_size and accumulation % world_size:
+        raise ValueError(f"--gradient_accumulation_steps={accumulation} must be a multiple of the "
+                         f"{world_size} processes, or at most {world_size}")
+    return device, max(1, accumulation // world_size)  # below one each, every rank runs one
+
+
+class Run:
+    """A training run's folder and how the run stops. Rank 0 writes out_dir's log.jsonl and
+    ckpt.pt (write=False: nothing). The first write refused (disk full, I/O error) is kept in
+    `error` and nothing more is written. Every rank stops at the same step (one all-reduce of
+    the flags), its last good checkpoint (step `saved_iter`) kept, rank 0 saying in one line
+    why and how to go on; after listen(), SIGTERM or SIGINT (Ctrl-C) stops it after its step."""
+
+    def __init__(self, out_dir, ddp, master, world_size, learning_rate):
+        self.out_dir, self.write, self.ddp, self.master = out_dir, master, ddp, master
+        self.world_size, self.learning_rate = world_size, learning_rate
         self.log_path = os.path.join(out_dir, 'log.jsonl')
         self.ckpt_path = os.path.join(out_dir, 'ckpt.pt')
-        self.saved_iter = saved_iter
-        self.write = write
-        self.error = None
+        self.saved_iter = self.error = self.signal = None
+
+    # its folder and files
+
+    def in_use(self):
+        holder = lock_holder(os.path.join(self.out_dir, LOCK))
+        return (f"is in use by a live run ({holder or 'just ended'}); wait for it to end or stop "
+                f"it, or give another --out_dir")
+
+    def out_dir_problem(self):
+        """Why out_dir cannot hold this run (None when it can), found before anything runs."""
+        path = self.out_dir
+        if os.path.isdir(path):
+            return self.in_use() if lock_holder(os.path.join(path, LOCK)) else None
+        if os.path.exists(path):
+            return "exists and is not a folder; give another --out_dir"
+        parent = os.path.dirname(os.path.abspath(path))
+        while not os.path.exists(parent):
+            parent = os.path.dirname(parent)
+        if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+            why = 'not a folder' if not os.path.isdir(parent) else 'not writable'
+            return f"cannot be created ({parent} is {why}); give another --out_dir"
+
+    def holds_run(self):
+        """Whether out_dir holds a training run: a checkpoint, or a log a training run started."""
+        return os.path.exists(self.ckpt_path) or os.path.exists(self.log_path) and any(
+            r.get('event') == 'start' and not r.get('eval_only') for r in read_log(self.log_path))
+
+    def logged_run_id(self):  # the id of the run that started its log, or None
+        starts = [r for r in read_log(self.log_path) if r.get('event') == 'start'] \
+            if os.path.exists(self.log_path) else []
+        return starts[-1].get('run_id') if starts else None
 
     def claim(self):
-        """Make out_dir and hold it for this run until the process exits (hold: a live run's lock
-        is refused in one line, a gone run's taken over); nothing when it writes nothing."""
+        """Make out_dir and hold it until the process exits; clear what a killed writer left."""
         if self.write:
             os.makedirs(self.out_dir, exist_ok=True)
             if not lock(os.path.join(self.out_dir, LOCK)):
-                raise SystemExit(f"error: --out_dir={self.out_dir} {in_use(self.out_dir)}")
-            for tmp in glob.glob(os.path.join(self.out_dir, '*.tmp')):  # a killed writer's
+                self.fail(f"--out_dir={self.out_dir} {self.in_use()}")
+            for tmp in glob.glob(os.path.join(self.out_dir, '*.tmp')):
                 os.remove(tmp)
 
     def new_log(self):
-        """Start a new log; a run already in out_dir (its ckpt.pt and log.jsonl) is moved to
-        out_dir/replaced/ first, so that nothing can resume it under the new run's log."""
+        """Move a run already in out_dir to out_dir/replaced/, so nothing can resume it."""
         old = [path for path in (self.ckpt_path, self.log_path) if os.path.exists(path)]
         if self.write and old:
-            replaced = os.path.join(self.out_dir, 'replaced')
-            os.makedirs(replaced, exist_ok=True)
+            os.makedirs(os.path.join(self.out_dir, 'replaced'), exist_ok=True)
             for path in old:
-                os.replace(path, os.path.join(replaced, os.path.basename(path)))
-            print(f"note: moved the run that was in {self.out_dir}/ to {replaced}/")
+                os.replace(path, os.path.join(self.out_dir, 'replaced', os.path.basename(path)))
+            print(f"note: moved the run that was in {self.out_dir}/ to {self.out_dir}/replaced/")
 
     def log(self, record):
         if self.write and not self.error:
             try:
                 append_line(self.log_path, json.dumps(record))
             except OSError as e:
-                self.failed(self.log_path, e)
+                self.error = f"could not write {self.log_path} ({e.strerror or e})"
 
     def save(self, ckpt):
         if self.write and not self.error:
@@ -217,174 +436,97 @@ class RunFiles:
                 save(ckpt, self.ckpt_path)
                 self.saved_iter = ckpt['iter_num']
             except OSError as e:
-                self.failed(self.ckpt_path, e)
+                self.error = f"could not write {self.ckpt_path} ({e.strerror or e})"
 
-    def failed(self, path, e):
-        self.error = self.error or f"could not write {path} ({e.strerror or e})"
+    # how it stops
 
-    def kept(self, fix, resume):
+    def fail(self, message):  # under torchrun rank 0 alone says it
+        raise SystemExit(f"error: {message}" if self.master else 1)
+
+    def resume_command(self):
+        args = [a for a in sys.argv[1:] if not a.startswith(('--init_from=', '--overwrite='))]
+        launcher = f"torchrun --standalone --nproc_per_node={self.world_size}" * self.ddp
+        return f"{launcher or 'python'} {shlex.join([sys.argv[0], *args, '--init_from=resume'])}"
+
+    def kept(self, fix):
         """What a stopped run leaves, and how to go on."""
         if self.saved_iter is None:
             return f"this run wrote no checkpoint; {fix}, then start again"
-        return (f"{self.ckpt_path} is left as it was (step {self.saved_iter}); {fix}, then continue "
-                f"with: {resume}")
+        return (f"{self.ckpt_path} is left as it was (step {self.saved_iter}); {fix}, then "
+                f"continue with: {self.resume_command()}")
 
+    def stop(self, why, fix):
+        if self.ddp:
+            dist.destroy_process_group()
+        self.fail(f"{why}; {self.kept(fix)}")
 
-def in_use(out_dir):
-    return (f"is in use by a live run ({lock_holder(os.path.join(out_dir, LOCK)) or 'just ended'}); "
-            f"wait for it to end or stop it, or give another --out_dir")
+    def write_failed(self):  # a write the file system refused (rank 0): stop, nothing more written
+        if self.error:
+            self.stop(self.error, 'free some space')
 
+    def diverged(self, step, what):
+        if self.master:
+            self.log(dict(event='diverged', iter=step, what=what))
+        self.stop(f"{what} at step {step}: the run diverged and stopped",
+                  f"lower --learning_rate (now {self.learning_rate:g})")
 
-def out_dir_problem(path):
-    """Why path cannot hold a run (None when it can), found before anything runs."""
-    if os.path.isdir(path) and lock_holder(os.path.join(path, LOCK)):
-        return in_use(path)
-    if os.path.exists(path):
-        return None if os.path.isdir(path) else "exists and is not a folder; give another --out_dir"
-    parent = os.path.dirname(os.path.abspath(path))
-    while not os.path.exists(parent):
-        parent = os.path.dirname(parent)
-    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
-        return (f"cannot be created ({parent} is {'not a folder' if not os.path.isdir(parent) else 'not writable'}); "
-                f"give another --out_dir")
+    def check_weights(self, model, step):
+        """Before evaluating or saving: non-finite weights are never used or saved."""
+        if bad := non_finite(model.state_dict()):  # equal on every rank under DDP
+            self.diverged(step, f"the weights hold NaN or inf ({bad[0]})")
 
+    def listen(self):
+        def request(signum, frame):  # the loop finishes its step, saves and exits
+            self.signal = self.signal or signal.Signals(signum).name
+        signal.signal(signal.SIGTERM, request)
+        signal.signal(signal.SIGINT, request)
 
-def _fail(path, why):
-    raise SystemExit(f"error: {path} {why}")
+    def check_step(self, step, step_loss, grad_norm, scaled):
+        """Before a step is applied, every rank: a non-finite loss or gradient anywhere (scaled:
+        fp16's scaler skips infs itself) or a refused write stops the run, the step unapplied;
+        returns whether a signal asks to stop after it."""
+        finite = torch.isfinite(step_loss) & (torch.isfinite(grad_norm) | scaled)
+        flags = torch.stack([~finite, *(torch.tensor(flag, device=finite.device) for flag in (
+            self.signal is not None, self.error is not None))]).float()
+        if self.ddp:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        diverged, stopping, failed_write = (bool(f) for f in flags.tolist())
+        if failed_write:
+            self.stop(self.error, 'free some space')
+        if diverged:
+            self.diverged(step, f"the training loss is {float(step_loss):.4g}"
+                          if not torch.isfinite(step_loss) else f"the gradient norm is "
+                          f"{float(grad_norm):.4g}" if not finite else
+                          "another process's loss is not finite")
+        return stopping
 
+    def after_signal(self, model, step, checkpoint):
+        """Save the step just taken, say how to resume, exit cleanly."""
+        self.check_weights(model, step)
+        if self.master:
+            self.save(checkpoint())
+            self.log(dict(event='stopped', iter=step, signal=self.signal))
+            self.write_failed()
+            print(f"{self.signal or 'signal on another rank'}: stopped after step {step} and saved "
+                  f"{self.ckpt_path}; continue with: {self.resume_command()}", flush=True)
+        if self.ddp:
+            dist.destroy_process_group()
+        sys.exit(0)
 
-def said_once(read):
-    """read(..., quiet=True) exits with status 1 and no line: under torchrun every rank reads the file,
-    and rank 0 alone says what is wrong with it."""
-    def checked(*args, quiet=False, **kwargs):
-        try:
-            return read(*args, **kwargs)
-        except SystemExit as e:
-            raise SystemExit(1 if quiet else e.code) from None
-    return checked
+    def on_lost_peer(self):
+        """When another process of the torchrun job died (a collective fails): one line on rank
+        0, what is kept and how to resume; torchrun names the process."""
+        default = sys.excepthook
 
-
-@said_once
-def load(path, keys=('model', 'model_args', 'meta')):
-    """The checkpoint dict at path, with at least `keys`, or SystemExit with one line. Loaded on the
-    CPU whatever device the run uses: the model is moved after loading its weights, the optimizer
-    moves its state to its parameters' devices, and the RNG states must stay CPU tensors."""
-    if os.path.getsize(path) == 0:
-        _fail(path, "is empty, not a checkpoint")
-    with open(path, 'rb') as f:
-        zipped = f.read(4) == b'PK\x03\x04'  # what torch.save writes
-    try:
-        with warnings.catch_warnings():  # torch warns about odd pickles; the error below says enough
-            warnings.simplefilter('ignore')
-            ckpt = torch.load(path, map_location='cpu', weights_only=True)
-    except Exception as e:  # torch raises many kinds; what the user needs is which file and why
-        refused = re.search(r'Unsupported global: GLOBAL (\S+)', str(e))
-        if refused:
-            _fail(path, f"holds Python objects ({refused.group(1)}) that safe loading (weights_only=True) "
-                        f"refuses; it was not written by seqmoe's train.py")
-        if zipped:
-            _fail(path, "is truncated or corrupt (torch cannot read it as a checkpoint archive); "
-                        "use another checkpoint or train again")
-        _fail(path, "is not a torch checkpoint file; give a ckpt.pt written by train.py")
-    if not isinstance(ckpt, dict):
-        _fail(path, f"holds a {type(ckpt).__name__}, not a checkpoint; give a ckpt.pt written by train.py")
-    model_args = ckpt.get('model_args')
-    if isinstance(model_args, dict) and not {'n_exp', 'router'} <= set(model_args):
-        _fail(path, "is a dense GPT checkpoint from another project (nanoGPT?): its model_args have no "
-                    "n_exp or router; seqmoe loads only checkpoints written by its own train.py")
-    missing = [k for k in keys if k not in ckpt]
-    if missing:
-        _fail(path, f"is not a complete seqmoe checkpoint: it has no {', '.join(missing)} "
-                    f"(it has {', '.join(map(str, ckpt)) or 'nothing'})")
-    if 'model_args' in keys and (not isinstance(model_args, dict) or set(model_args) - set(MODEL_KEYS)):
-        unknown = sorted(set(model_args) - set(MODEL_KEYS)) if isinstance(model_args, dict) else ['(not a dict)']
-        _fail(path, f"has model settings this version does not know: {', '.join(unknown)}")
-    if isinstance(model_args, dict):
-        ckpt['model_args'] = {**LEGACY_MODEL_ARGS, **model_args}
-    if 'meta' in keys and not (isinstance(ckpt['meta'], dict) and {'tokenizer', 'vocab_size'} <= set(ckpt['meta'])):
-        _fail(path, "has no tokenizer in its meta; give a ckpt.pt written by train.py")
-    if 'model' in keys:
-        if not isinstance(ckpt['model'], dict):
-            _fail(path, "has no weights (its 'model' is not a state dict)")
-        bad = non_finite(ckpt['model'])
-        if bad:
-            _fail(path, f"holds non-finite weights (NaN or inf in {bad[0]}); it cannot be used")
-    return ckpt
-
-
-def merged_args(saved, model_args, overridden, changeable, path):
-    """The model settings of a run that continues from the checkpoint at path: the saved ones, except those
-    this run's command line gives (overridden), which must equal the saved ones unless they are changeable;
-    ValueError otherwise."""
-    for k, value in saved.items():
-        if k in overridden and k not in changeable and model_args.get(k) != value:
-            raise ValueError(f"{path} was trained with {k}={value!r}, this run asks for {k}={model_args[k]!r}; "
-                             f"drop --{k}, or train from scratch in another --out_dir")
-    return {**model_args, **{k: value for k, value in saved.items() if k not in overridden}}
-
-
-def load_to_continue(source, resume, model_args, overridden, quiet=False):
-    """The checkpoint a run resumes (resume=True) or fine-tunes from, and the run's model settings
-    merged with its; ValueError saying what does not fit."""
-    if not os.path.isfile(source):
-        raise ValueError(f"--init_from=resume but there is no checkpoint at {source}; start the run "
-                         f"with --init_from=scratch, or give the --out_dir of the run to continue")
-    state = ('optimizer', 'iter_num', 'best_val_loss', 'batch_gen_state', 'torch_rng_state')
-    checkpoint = load(source, ('model', 'model_args', 'meta') + (state if resume else ()),
-                      quiet=quiet)
-    return checkpoint, merged_args(checkpoint['model_args'], model_args, overridden, ROUTING_KEYS,
-                                   source)
-
-
-def check_vocabulary(checkpoint, source, meta, data_dir):
-    """ValueError unless the data's vocabulary is the one the checkpoint was trained on."""
-    if checkpoint['model_args'].get('vocab_size') != meta['vocab_size']:
-        raise ValueError(f"{source} has vocab_size={checkpoint['model_args'].get('vocab_size')}, "
-                         f"but {data_dir} has {meta['vocab_size']}; use the dataset it was trained "
-                         f"on (--dataset={checkpoint.get('dataset')})")
-    saved = checkpoint['meta']
-    if (saved.get('tokenizer'), saved.get('itos')) != (meta['tokenizer'], meta.get('itos')):
-        what = (f"its tokenizer is {saved.get('tokenizer')}, the data's {meta['tokenizer']}"
-                if saved.get('tokenizer') != meta['tokenizer'] else
-                f"the same {meta['vocab_size']} ids stand for other characters")
-        raise ValueError(f"{source} was trained on another vocabulary than {data_dir}'s ({what}); "
-                         f"use the dataset it was trained on (--dataset={checkpoint.get('dataset')})")
-
-
-def holds_run(out_dir):
-    """Whether out_dir holds a training run: its checkpoint, or the log a training run started."""
-    log = os.path.join(out_dir, 'log.jsonl')
-    return os.path.exists(os.path.join(out_dir, 'ckpt.pt')) or os.path.exists(log) and any(
-        r.get('event') == 'start' and not r.get('eval_only') for r in read_log(log))
-
-
-def log_run_id(path):
-    """The run id of the run that started the log at path (None: no log, or no start record)."""
-    starts = [r for r in read_log(path) if r.get('event') == 'start'] if os.path.exists(path) else []
-    return starts[-1].get('run_id') if starts else None
-
-
-def restore_state(checkpoint, source, optimizer, batch_gen):
-    """A resumed run's optimizer, batch stream and RNG as the checkpoint left them, or ValueError."""
-    try:
-        optimizer.load_state_dict(checkpoint['optimizer'])
-        batch_gen.set_state(checkpoint['batch_gen_state'])
-        torch.set_rng_state(checkpoint['torch_rng_state'])
-    except (ValueError, RuntimeError, TypeError, KeyError) as e:
-        raise ValueError(f"{source} has an optimizer or RNG state this run cannot restore ({type(e).__name__}); "
-                         f"fine-tune from it instead: --init_from={source} --out_dir=ANOTHER_DIR") from None
-
-
-@said_once
-def load_weights(model, ckpt, path):
-    """model.load_state_dict(ckpt['model']), or one line naming the keys that do not fit."""
-    try:
-        result = model.load_state_dict(ckpt['model'], strict=False)
-    except RuntimeError as e:  # a shape mismatch
-        detail = next((line.strip() for line in str(e).splitlines() if 'size mismatch' in line), str(e))
-        _fail(path, f"has weights that do not fit its model_args ({detail[:200]})")
-    missing = [k for k in result.missing_keys if not k.endswith(ROUTER_STATE)]
-    unexpected = [k for k in result.unexpected_keys if not k.endswith(ROUTER_STATE)]
-    if missing or unexpected:
-        _fail(path, f"has weights that do not fit its model_args: missing "
-                    f"{', '.join(missing[:3]) or 'none'}, unexpected {', '.join(unexpected[:3]) or 'none'}")
+        def hook(kind, error, tb):
+            if not (isinstance(error, dist.DistError) or isinstance(error, RuntimeError) and any(
+                    s in str(error) for s in ('closed by peer', 'reset by peer', 'Broken pipe',
+                                              'Timed out'))):
+                return default(kind, error, tb)
+            if self.master:
+                why = (str(error).strip().splitlines() or [kind.__name__])[0]
+                why = re.sub(r'^\[[^\]]*\]\s*', '', why).split('. ')[0]  # gloo's: no source line
+                kept = self.kept("see torchrun's summary")
+                print(f"error: a process of this torchrun job is gone ({why}); {kept}",
+                      file=sys.stderr, flush=True)
+        sys.excepthook = hook

@@ -1,143 +1,98 @@
 """
-nanoGPT-style settings: a script's settings are the plain values of its settings block (the lines
-between the first two `# ---` lines at its top, each with its comment), overridden by preset files
-and --key=value arguments, in the order given; --help lists them.
-
-    python train.py config/tiny.py --router=seqtopk --top_k=4
-
-Each script also states what each of its settings may be, as a dict of rules from the small
-vocabulary below and a list of relations between settings; configure() checks them before anything
-runs and stops at the first bad value with one line, e.g.
-
-    error: --batch_size=0 must be a positive integer
-
-The model's own settings are checked by model.GPTConfig.validate.
+nanoGPT-style settings: the plain values between a script's first two `# ---` lines, overridden
+by preset files and --key=value arguments in order (`python train.py config/tiny.py --top_k=4`);
+--help lists them. Each is checked by a rule before anything runs, a bad one stopping the script
+with one line (fail). Also: what the device and dtype settings mean on this machine.
 """
 import ast
+import ctypes
+import ctypes.util
 import difflib
+import inspect
 import math
 import os
-import re
+import platform
 import sys
 from ast import literal_eval
 from collections import namedtuple
 
+import torch
+
 TYPE_NAMES = {bool: 'True or False', int: 'an integer', float: 'a number', str: 'text'}
 
 
-# -----------------------------------------------------------------------------
-# the settings block, and --key=value
+def fail(message):
+    """The one way a script stops on bad input: one line on stderr, no traceback."""
+    raise SystemExit(f"error: {message}")
+
 
 def settings_block(path, dataclass=None):
-    """[(name, default, comment)] of the script at path: the assignments of its settings block;
-    with a dataclass (train.py's GPTConfig), its fields too, from its class body."""
+    """[(name, default, comment)] of the settings block of the script at path (and dataclass's)."""
+    def entries(code, nodes):
+        lines = code.splitlines()
+        return [(node.targets[0].id if isinstance(node, ast.Assign) else node.target.id,
+                 ast.get_source_segment(code, node.value),
+                 lines[node.lineno - 1][node.end_col_offset:].partition('#')[2].strip())
+                for node in nodes]
     source = open(path).read()
-    lines = source.splitlines()
-    marks = [i for i, line in enumerate(lines) if line.startswith('# ---')][:2]
-
-    def entry(node, name, code):
-        line = code.splitlines()[node.lineno - 1]
-        comment = line.split('#', 1)[1].strip() if '#' in line[node.end_col_offset:] else ''
-        return name, ast.get_source_segment(code, node.value), comment
-    found = [entry(node, node.targets[0].id, source) for node in ast.parse(source).body
-             if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name)
-             and len(marks) == 2 and marks[0] < node.lineno - 1 < marks[1]]
+    marks = [i + 1 for i, line in enumerate(source.splitlines()) if line.startswith('# ---')][:2]
+    found = entries(source, [n for n in ast.parse(source).body if isinstance(n, ast.Assign)
+                             and len(marks) == 2 and marks[0] < n.lineno < marks[1]])
     if dataclass is not None:
-        import inspect
         code = inspect.getsource(dataclass)
-        body = ast.parse(code).body[0].body
-        found += [entry(node, node.target.id, code) for node in body
-                  if isinstance(node, ast.AnnAssign) and node.value is not None]
+        found += entries(code, [n for n in ast.parse(code).body[0].body
+                                if isinstance(n, ast.AnnAssign) and n.value is not None])
     return found
 
 
-def help_text(config, dataclass=None):
-    """What --help prints: the script's docstring, then each setting, its default and comment."""
-    rows = [f"  --{name}={default}" + (f"  # {comment}" if comment else '')
-            for name, default, comment in settings_block(config['__file__'], dataclass)
-            if name in config]
-    return (config.get('__doc__') or '').strip() + \
-        "\n\nsettings (--key=value, or a preset file of them):\n" + '\n'.join(rows)
-
-
-def _parse(key, raw, default):
-    if isinstance(default, float) and not isinstance(default, bool):
-        try:
-            return float(raw)  # also nan, inf and 1e999, so that check() can say they must be finite
-        except ValueError:
+def parse(key, raw, default):
+    """--key=raw's value (or a preset's) as the type of the default, or one line saying why not."""
+    value = raw
+    if isinstance(raw, str) and not isinstance(default, str):  # --top_ks=8,4,2 stays text
+        try:  # a float also from nan, inf and 1e999, so that check() says they must be finite
+            value = float(raw) if isinstance(default, float) else literal_eval(raw)
+        except (ValueError, SyntaxError):
             pass
-    try:
-        value = literal_eval(raw)
-    except (ValueError, SyntaxError):
-        value = raw  # a bare word such as --router=seqtopk is a string
-    if isinstance(default, str) and not isinstance(value, str):
-        value = raw  # --top_ks=8,4,2 is the string '8,4,2', not a tuple
-    if isinstance(default, bool) != isinstance(value, bool) or (
-            not isinstance(default, bool) and type(value) is not type(default)):
-        raise SystemExit(f"error: --{key}={raw} must be {TYPE_NAMES[type(default)]}")
+    if isinstance(default, float) and type(value) is int:
+        value = float(value)
+    if type(value) is not type(default):
+        fail(f"--{key}={raw} must be {TYPE_NAMES[type(default)]}")
     return value
 
 
-def apply_overrides(config, args, known):
-    """Apply preset files and --key=value pairs to the dict `config` (a script's globals()); only
-    the settings in `known` may be set. Returns the keys set."""
-    overridden = set()
-    for arg in args:
-        if not arg.startswith('--'):
-            if not os.path.isfile(arg):
-                raise SystemExit(f"error: preset file '{arg}' not found (settings are --key=value)")
-            preset = {}
-            with open(arg) as f:
-                exec(f.read(), {}, preset)  # a preset is Python the user wrote, as in nanoGPT
-            for key, value in preset.items():
-                if key.startswith('_'):
-                    continue
-                if key not in known:
-                    raise SystemExit(f"error: unknown setting '{key}' in {arg}")
-                config[key] = _parse(key, repr(value), config[key])
-                overridden.add(key)
-            continue
-        key, sep, raw = arg[2:].partition('=')
-        if not sep:
-            raise SystemExit(f"error: write settings as --{key}=value (--help lists them)")
-        if key not in known:
-            close = difflib.get_close_matches(key, known, n=1)
-            raise SystemExit(f"error: unknown setting --{key}" + (
-                f"; did you mean --{close[0]}?" if close else "; --help lists the settings"))
-        config[key] = _parse(key, raw, config[key])
-        overridden.add(key)
-    return overridden
-
-
-def script_settings(path, args=()):
-    """The settings `python path args` would run with, without running it: the script's module-level
-    code before it calls configure() (its imports and settings block), then the args."""
-    body = ast.parse(open(path).read(), path).body
-    head = ast.Module(body[:next(i for i, node in enumerate(body)
-                                 if 'configure(' in ast.unparse(node))], [])
-    namespace = {'__name__': 'settings_of_' + os.path.basename(path), '__file__': path}
-    exec(compile(head, path, 'exec'), namespace)
-    settings = {k: v for k, v in namespace.items() if not k.startswith('_') and
-                isinstance(v, (int, float, bool, str))}
-    apply_overrides(namespace, list(args), set(settings))
-    return {k: namespace[k] for k in sorted(settings)}
-
-
 def configure(config, args, rules, relations=(), dataclass=None):
-    """Every script's start: --help, or apply preset files and --key=value args to `config` (its
-    globals()), then check its own settings (rules, relations); a bad one stops it with one
-    `error:` line before anything runs. dataclass: one whose fields are settings too (GPTConfig).
-    Returns the settings (name -> value) and the keys the args set."""
+    """--help, or apply presets and --key=value args to `config` (the script's globals()) and
+    check them (rules, relations). Returns the settings and the names the args set."""
+    block = [entry for entry in settings_block(config['__file__'], dataclass) if entry[0] in config]
     if {'--help', '-h'} & set(args):
-        print(help_text(config, dataclass))
+        print((config.get('__doc__') or '').strip() + "\n\nsettings (--key=value, or a preset "
+              "file of them):\n" + '\n'.join(f"  --{name}={default}" + f"  # {comment}" * bool(
+                  comment) for name, default, comment in block))
         sys.exit(0)
-    known = [name for name, _, _ in settings_block(config['__file__'], dataclass) if name in config]
-    overridden = apply_overrides(config, args, set(known))
+    known, overridden = [name for name, _, _ in block], set()
+    for arg in args:
+        if arg.startswith('--'):
+            key, sep, raw = arg[2:].partition('=')
+            pairs = [(key, raw)] if sep else fail(f"write settings as --{key}=value (--help "
+                                                  f"lists them)")
+        elif os.path.isfile(arg):  # a preset is Python the user wrote, as in nanoGPT's
+            preset = {}
+            exec(open(arg).read(), {}, preset)
+            pairs = [(k, v) for k, v in preset.items() if not k.startswith('_')]
+        else:
+            fail(f"preset file '{arg}' not found (settings are --key=value)")
+        for key, raw in pairs:
+            if key not in known:
+                close = difflib.get_close_matches(key, known, n=1)
+                fail(f"unknown setting --{key}" + (f" in {arg}" if not arg.startswith('--') else
+                     f"; did you mean --{close[0]}?" if close else "; --help lists the settings"))
+            config[key] = parse(key, raw, config[key])
+            overridden.add(key)
     settings = {k: config[k] for k in sorted(known)}
     try:
         check(settings, rules, relations)
     except ValueError as e:
-        raise SystemExit(f"error: {e}") from None
+        fail(e)
     return settings, overridden
 
 
@@ -151,8 +106,8 @@ positive = Rule(lambda v: v > 0, 'a positive number')
 non_negative = Rule(lambda v: v >= 0, 'a number >= 0')
 fraction = Rule(lambda v: 0 <= v < 1, 'in [0, 1)')
 non_empty = Rule(lambda v: v != '', 'non-empty text')
-device_name = Rule(lambda v: re.fullmatch(r'auto|cpu|mps|cuda(:\d+)?', v) is not None,
-                   'auto, cpu, cuda, cuda:N or mps')
+device_name = Rule(lambda v: v in ('auto', 'cpu', 'mps', 'cuda') or v.startswith('cuda:')
+                   and v[5:].isdigit(), 'auto, cpu, cuda, cuda:N or mps')
 
 
 def one_of(*choices):
@@ -181,8 +136,8 @@ def at_step(steps, step):  # a schedule's value at a step
 
 
 def check(config, rules, relations=()):
-    """ValueError naming the first setting that is not finite, breaks its rule, or breaks a
-    relation (setting, test(config), what it must be: a format string over the config)."""
+    """ValueError naming the first setting not finite, breaking its rule or a relation (setting,
+    test(config), what it must be: a format string over config)."""
     def stop(key, allowed):
         value = config[key]
         shown = repr(value) if isinstance(value, str) and not value.isprintable() else value
@@ -200,3 +155,44 @@ def check(config, rules, relations=()):
     for key, test, allowed in relations:
         if not test(config):
             stop(key, allowed.format(**config))
+
+
+# -----------------------------------------------------------------------------
+# what the device and dtype settings mean on this machine
+
+def pick_device(device):
+    """'auto' -> 'cuda' where a GPU is visible, else 'cpu'; ValueError for one not here."""
+    if device == 'auto':
+        return 'cuda' if torch.cuda.is_available() else 'cpu'
+    kind = device.split(':')[0]
+    if kind == 'cuda' and not torch.cuda.is_available() or \
+            kind == 'mps' and not torch.backends.mps.is_available():
+        raise ValueError(f"--device={device} is not available on this machine (no {kind} device is "
+                         f"visible); use --device=cpu")
+    return device
+
+
+def auto_dtype(device_type, capability=None):
+    """--dtype=auto: bf16 on GPUs that compute in it (capability 8.0+: A100, H100, RTX 30 on), fp16
+    with the loss scaler on older ones (V100, T4 would emulate bf16, slowly), else float32."""
+    if device_type != 'cuda':
+        return 'float32'
+    return 'bfloat16' if capability >= (8, 0) else 'float16'
+
+
+def autocast_for(device, dtype):
+    """The dtype the model runs in on device, and its autocast context (off for float32)."""
+    kind = device.split(':')[0]
+    if dtype == 'auto':
+        capability = torch.cuda.get_device_capability(device) if kind == 'cuda' else None
+        dtype = auto_dtype(kind, capability)
+    return dtype, torch.autocast(kind, dtype=getattr(torch, dtype), enabled=dtype != 'float32')
+
+
+def keep_freed_cpu_memory():
+    """glibc's malloc keeps freed memory for reuse (as jemalloc would): else every CPU tensor of
+    32 MB and up is a fresh mmap whose pages fault in one by one."""
+    if platform.system() == 'Linux' and platform.libc_ver()[0] == 'glibc':
+        libc = ctypes.CDLL(ctypes.util.find_library('c'))
+        libc.mallopt(-3, 1 << 30)  # M_MMAP_THRESHOLD: allocations under 1 GB from the heap
+        libc.mallopt(-1, 1 << 31)  # M_TRIM_THRESHOLD: freeing keeps up to 2 GB of it for reuse

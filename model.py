@@ -1,8 +1,8 @@
 """
-A nanoGPT-style GPT whose feed-forward layers are Mixture-of-Experts layers: config, attention
-(with RoPE), MLP, MoE, block, GPT and generate. Routers: router.py; experts: experts.py; the KV and
-Expert Cache a generation carries: cache.py. Shapes: B batch, T tokens, C n_embd, N experts.
-Every idea runs as its plain definition; the scripts pass fast.py's equal paths (`fast=`).
+A nanoGPT-style GPT whose feed-forward layers are Mixture-of-Experts layers: the config,
+attention (with RoPE), the MLP, the MoE layer (router -> experts), the block and the GPT.
+The routers are in router.py, the caches a generation carries in cache.py. Shapes: B batch,
+T tokens, C n_embd, N experts, V vocab. Every idea runs here as its plain definition.
 """
 import math
 from dataclasses import dataclass
@@ -11,59 +11,58 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
-from cache import Cache
-from experts import moe_loop
-from router import ROUTERS, step_ks
+from router import ROUTERS
 
 
 @dataclass
 class GPTConfig:
-    # the architecture: what the weights fix
+    # the architecture: what the weights fix (ARCHITECTURE)
     block_size: int = 128
-    vocab_size: int = 50304
+    vocab_size: int = 50257    # the data's (train.py sets it)
     n_layer: int = 4
     n_head: int = 4
     n_embd: int = 128
     bias: bool = False
-    rope: bool = True          # rotary positions in attention (False: GPT-2's learned positions)
+    rope: bool = True          # rotary positions (False: GPT-2's learned positions)
     n_exp: int = 8             # experts per MoE layer
     exp_dim: int = 128         # hidden width of each expert
-    moe_every: int = 1         # every moe_every-th block is MoE, the others dense (0 = none)
-    mlp_dim: int = 0           # hidden width of the dense FFN blocks (0 = 4 * n_embd)
-    # routing and regularisation: may change when a trained model is resumed or fine-tuned
+    moe_every: int = 1         # every moe_every-th block is MoE, the others dense (0: none)
+    mlp_dim: int = 0           # hidden width of the dense FFN blocks (0: 4 * n_embd)
+    # routing and regularisation: may change when a model is resumed or fine-tuned
     dropout: float = 0.0
     router: str = 'topk'       # a key of router.ROUTERS
-    top_k: int = 2             # experts per token (on average, for sequence-level routers)
+    top_k: int = 2             # experts per token (a sequence router's: on average)
     seq_min_k: int = 1         # seqtopk: per-token lower bound
-    seq_max_k: int = 0         # seqtopk: per-token upper bound (0 = top_k + 2, n_exp = none)
-    seq_causal: bool = False   # seqtopk: route every position by the online rule, as decoding does
-    seq_budget: str = 'plain'  # online seqtopk: 'plain' (the paper), 'strict' (no prefix overspend)
-    window_floor: int = 1      # windowtopk: each token's own top experts added (the authors' code)
-    score_func: str = 'softmax'  # router scores: 'softmax', 'sigmoid' or 'relu' (ReMoE's gates)
-    route_scale: float = 0.0   # gates = route_scale x selected scores (0: each gate ~1 at init)
-    norm_topk_prob: bool = False  # renormalise a token's selected scores to sum to 1 first
-    balance: str = 'aux'       # 'aux' (Switch loss), 'bias' (loss-free bias on the choice), 'none'
+    seq_max_k: int = 0         # seqtopk: per-token upper bound (0: top_k + 2; n_exp: none)
+    seq_causal: bool = False   # seqtopk: train by the online rule, as decoding routes
+    seq_budget: str = 'plain'  # online seqtopk: 'plain' (the paper) or 'strict' (no
+    #                            prefix of m tokens takes more than m * top_k)
+    window_floor: int = 1      # windowtopk: each token's own top experts, added
+    score_func: str = 'softmax'  # 'softmax', 'sigmoid' or 'relu' (ReMoE's gates)
+    route_scale: float = 0.0   # gates = route_scale x selected scores (0: each ~1 at init)
+    norm_topk_prob: bool = False  # renormalise a token's selected scores to sum to 1
+    balance: str = 'aux'       # 'aux' (Switch loss), 'bias' (loss-free bias), 'none'
     balance_rate: float = 1e-3  # balance='bias': the bias's step per optimizer step
     aux_loss_weight: float = 0.01  # Switch load-balance loss (balance='aux')
     z_loss_weight: float = 0.001   # router z-loss
     threshold_decay: float = 0.99  # batchtopk: EMA decay of the evaluation threshold
     relu_l1_init: float = 1e-8     # relu: initial lambda (ReMoE's lambda_0)
     relu_l1_step: float = 1.2      # relu: lambda's multiplicative step (ReMoE's alpha)
-    relu_l1_per_layer: bool = True  # relu: a lambda per layer (False = ReMoE: one for the model)
-    relu_threshold_step: float = 0.1  # relu: step of the layers' ReLU thresholds (0 = ReMoE)
-    moe_impl: str = 'grouped'  # fast.py's experts: 'grouped' (one kernel), 'loop' (per expert)
+    relu_l1_per_layer: bool = True  # relu: a lambda per layer (False: one, as ReMoE)
+    relu_threshold_step: float = 0.1  # relu: step of the layers' thresholds (0: ReMoE)
 
     def validate(self):
-        """ValueError in the command line's words ("--top_k=9 must be at most --n_exp=8")."""
+        """ValueError in the command line's words: "--top_k=9 must be at most --n_exp=8"."""
         def need(ok, key, allowed):
             if not ok:
                 raise ValueError(f"--{key}={getattr(self, key)} must be {allowed}")
-        for key in ('block_size', 'vocab_size', 'n_layer', 'n_head', 'n_embd', 'n_exp', 'exp_dim',
-                    'top_k', 'window_floor'):
+        for key in ('block_size', 'vocab_size', 'n_layer', 'n_head', 'n_embd', 'n_exp',
+                    'exp_dim', 'top_k', 'window_floor'):
             need(getattr(self, key) >= 1, key, 'a positive integer')
         for key in ('moe_every', 'mlp_dim', 'seq_min_k', 'seq_max_k'):
             need(getattr(self, key) >= 0, key, 'an integer >= 0')
-        for key in ('route_scale', 'aux_loss_weight', 'z_loss_weight', 'relu_threshold_step'):
+        for key in ('route_scale', 'aux_loss_weight', 'z_loss_weight',
+                    'relu_threshold_step'):
             need(getattr(self, key) >= 0, key, 'a number >= 0')
         for key in ('balance_rate', 'relu_l1_init'):
             need(getattr(self, key) > 0, key, 'a positive number')
@@ -72,15 +71,20 @@ class GPTConfig:
         need(self.relu_l1_step > 1, 'relu_l1_step', 'greater than 1')
         for key, choices in (('router', tuple(ROUTERS)), ('seq_budget', ('plain', 'strict')),
                              ('score_func', ('softmax', 'sigmoid', 'relu')),
-                             ('balance', ('aux', 'bias', 'none')), ('moe_impl', ('grouped', 'loop'))):
+                             ('balance', ('aux', 'bias', 'none'))):
             need(getattr(self, key) in choices, key, 'one of ' + ', '.join(choices))
         need(self.n_embd % self.n_head == 0, 'n_embd', f'a multiple of --n_head={self.n_head}')
         ROUTERS[self.router].check(self)
 
+    def padded_vocab(self):
+        """Rows of the embedding and output layer: a word-piece vocabulary (GPT-2's 50257)
+        padded to a multiple of 64, so that the output layer runs aligned; never sampled."""
+        return self.vocab_size if self.vocab_size < 1024 else -(-self.vocab_size // 64) * 64
 
-# what a trained model's weights fix: the rest may change when it is resumed or fine-tuned
-ARCHITECTURE = ('block_size', 'vocab_size', 'n_layer', 'n_head', 'n_embd', 'bias', 'rope', 'n_exp',
-                'exp_dim', 'moe_every', 'mlp_dim')
+
+# what a trained model's weights fix: the rest may change on resume or fine-tuning
+ARCHITECTURE = ('block_size', 'vocab_size', 'n_layer', 'n_head', 'n_embd', 'bias', 'rope',
+                'n_exp', 'exp_dim', 'moe_every', 'mlp_dim')
 
 
 class CausalSelfAttention(nn.Module):
@@ -101,12 +105,12 @@ class CausalSelfAttention(nn.Module):
         if self.rope:  # q.k then depends on how far back a key is: "look back" is easy to learn
             q, k = rotate(q, pos), rotate(k, pos)
         if cache is None:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                               dropout_p=self.dropout if self.training else 0)
+            y = F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0)
         else:  # the KV cache: each query sees the positions up to its own
             k, v = cache.write_kv(k, v, pos)  # (B, nh, block_size, hs)
-            allowed = torch.arange(k.shape[2], device=x.device) <= pos[:, None]  # (T, block_size)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
+            seen = torch.arange(k.shape[2], device=x.device) <= pos[:, None]  # (T, block_size)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=seen)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_dropout(self.c_proj(y))
 
@@ -117,7 +121,8 @@ def rotate(x, pos, base=10000.0):
     angle = pos[:, None] * base ** (-torch.arange(half, device=x.device) / half)  # (T, hs/2)
     x1, x2 = x.float().unflatten(-1, (half, 2)).unbind(-1)
     cos, sin = angle.cos(), angle.sin()
-    return torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).flatten(-2).type_as(x)
+    turned = torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+    return turned.flatten(-2).type_as(x)
 
 
 class MLP(nn.Module):
@@ -134,29 +139,40 @@ class MLP(nn.Module):
         return self.dropout(self.c_proj(F.gelu(self.c_fc(x))))
 
 
+def moe_loop(x, mask, gates, w_fc, w_proj):
+    """The textbook MoE over M tokens: for each expert, gather the tokens that take it,
+    run its MLP, add the outputs back scaled by their gates. x (M, C), mask and gates
+    (M, N) -> (M, C); the sum in fp32 at least."""
+    y = torch.zeros_like(x, dtype=torch.promote_types(x.dtype, torch.float32))
+    for i in mask.any(0).nonzero().flatten().tolist():  # the experts some token takes
+        token = mask[:, i].nonzero().flatten()  # (M_i,): the tokens that take expert i
+        h = F.gelu(x[token] @ w_fc[i].to(x.dtype))  # (M_i, H)
+        out = (h * gates[token, i, None]) @ w_proj[i].to(x.dtype)  # (M_i, C)
+        y.index_add_(0, token, out.to(y.dtype))
+    return y.to(x.dtype)
+
+
 class MoE(nn.Module):
-    """A router and n_exp expert MLPs: y = sum_i gate_i(x) * expert_i(x), expert_i(x) =
-    gelu(x @ w_fc[i]) @ w_proj[i]; returns y, the auxiliary loss and the routing."""
+    """A router and n_exp expert MLPs: y = sum_i gate_i(x) * gelu(x @ w_fc[i]) @ w_proj[i];
+    returns y, the auxiliary loss and the routing."""
 
     def __init__(self, config):
         super().__init__()
-        self.config = config
+        C, H, N = config.n_embd, config.exp_dim, config.n_exp
         self.router = ROUTERS[config.router](config)
-        self.w_fc = nn.Parameter(torch.empty(config.n_exp, config.n_embd, config.exp_dim))
-        self.w_proj = nn.Parameter(torch.empty(config.n_exp, config.exp_dim, config.n_embd))
+        self.w_fc = nn.Parameter(torch.empty(N, C, H))
+        self.w_proj = nn.Parameter(torch.empty(N, H, C))
         self.dropout = nn.Dropout(config.dropout)
+        self.experts = moe_loop  # fast.paths: the sorted dispatch, the same y (tested)
 
-    def forward(self, x, cache=None, online=False, fast=None):
+    def forward(self, x, cache=None, online=False):
         B, T, C = x.shape
-        mask, gates, scores, aux_loss = self.router(x, cache, online, fast)  # (B, T, N) each
+        mask, gates, scores, aux_loss = self.router(x, cache, online)  # (B, T, N) each
         # the experts run in the autocast dtype (bf16 on GPUs); the router stays in fp32
         if torch.is_autocast_enabled(x.device.type):
             x = x.to(torch.get_autocast_dtype(x.device.type))
-        tokens = (x.view(B * T, C), mask.view(B * T, -1), gates.view(B * T, -1).to(x.dtype))
-        if fast is None:  # the textbook loop, or fast.py's sorted dispatch: the same y (tested)
-            y = moe_loop(*tokens, self.w_fc, self.w_proj)
-        else:
-            y = fast.experts(*tokens, self, online)
+        tokens = x.view(B * T, C), mask.view(B * T, -1), gates.view(B * T, -1).to(x.dtype)
+        y = self.experts(*tokens, self.w_fc, self.w_proj)  # (B*T, C)
         return self.dropout(y.view(B, T, C)), aux_loss, (mask, scores)
 
 
@@ -169,10 +185,10 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.ffn = MoE(config) if moe else MLP(config)
 
-    def forward(self, x, cache=None, online=False, pos=None, fast=None):
+    def forward(self, x, cache=None, online=False, pos=None):
         x = x + self.attn(self.ln_1(x), cache, pos)
         if isinstance(self.ffn, MoE):
-            y, aux_loss, routing = self.ffn(self.ln_2(x), cache, online, fast)
+            y, aux_loss, routing = self.ffn(self.ln_2(x), cache, online)
             return x + y, aux_loss, routing
         return x + self.ffn(self.ln_2(x)), 0.0, None
 
@@ -183,21 +199,21 @@ class GPT(nn.Module):
         super().__init__()
         config.validate()
         self.config = config
-        every = config.moe_every
-        embeddings = dict(wte=nn.Embedding(config.vocab_size, config.n_embd))
+        V, C, every = config.padded_vocab(), config.n_embd, config.moe_every
+        embeddings = dict(wte=nn.Embedding(V, C))
         if not config.rope:  # GPT-2's learned absolute positions
-            embeddings['wpe'] = nn.Embedding(config.block_size, config.n_embd)
+            embeddings['wpe'] = nn.Embedding(config.block_size, C)
         self.transformer = nn.ModuleDict(dict(
             embeddings,
             drop=nn.Dropout(config.dropout),
             h=nn.ModuleList([Block(config, moe=every > 0 and i % every == every - 1)
                              for i in range(config.n_layer)]),
-            ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
+            ln_f=nn.LayerNorm(C, bias=config.bias),
         ))
-        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.lm_head = nn.Linear(C, V, bias=False)
         self.transformer.wte.weight = self.lm_head.weight  # weight tying
         self.apply(self._init_weights)
-        residual_std = 0.02 / math.sqrt(2 * config.n_layer)  # GPT-2: scaled residual projections
+        residual_std = 0.02 / math.sqrt(2 * config.n_layer)  # GPT-2: scaled residuals
         for name, p in self.named_parameters():
             if name.endswith(('c_proj.weight', 'w_proj')):
                 torch.nn.init.normal_(p, mean=0.0, std=residual_std)
@@ -211,20 +227,21 @@ class GPT(nn.Module):
             torch.nn.init.zeros_(module.bias)
 
     def num_params(self, active=False):
-        """Parameters without position embeddings; active=True counts top_k of the n_exp experts."""
-        n = sum(p.numel() for name, p in self.named_parameters() if not name.endswith('wpe.weight'))
+        """Parameters without position embeddings; active=True counts top_k of the experts."""
+        n = sum(p.numel() for name, p in self.named_parameters() if 'wpe' not in name)
         if active:
             cfg = self.config
             n -= len(self.routers()) * (cfg.n_exp - cfg.top_k) * 2 * cfg.n_embd * cfg.exp_dim
         return n
 
     def routers(self):  # the router of every MoE layer, in order
-        return [block.ffn.router for block in self.transformer.h if isinstance(block.ffn, MoE)]
+        return [b.ffn.router for b in self.transformer.h if isinstance(b.ffn, MoE)]
 
-    def forward(self, idx, targets=None, cache=None, online=None, moe_ks=None, fast=None):
-        """Logits, the cross-entropy (None without targets) and aux: the auxiliary loss and each MoE
-        layer's routing (mask, scores). cache: a Cache to decode with; online: by the online rule
-        (default: seq_causal, or with a cache); moe_ks: each MoE layer's k this training step."""
+    def forward(self, idx, targets=None, cache=None, online=None, moe_ks=None):
+        """Logits, the cross-entropy (None without targets) and aux: the aux loss and each
+        MoE layer's routing (mask, scores). cache: a Cache to decode with; online: by the
+        online rule (default: seq_causal, or with a cache); moe_ks: each MoE layer's k this
+        training step (default top_k)."""
         T, block_size = idx.shape[1], self.config.block_size
         if T > block_size:
             raise ValueError(f"sequence of length {T} is longer than block_size={block_size}")
@@ -232,28 +249,28 @@ class GPT(nn.Module):
         online = (cache is not None or self.config.seq_causal) if online is None else online
         if self.training:
             routers = self.routers()
-            moe_ks = step_ks(self.config, len(routers)) if moe_ks is None else moe_ks
-            for router, k in zip(routers, moe_ks, strict=True):
+            ks = moe_ks or [self.config.top_k] * len(routers)
+            for router, k in zip(routers, ks, strict=True):
                 router.k = k
         x = self.transformer.wte(idx)  # (B, T, C)
         x = self.transformer.drop(x if self.config.rope else x + self.transformer.wpe(pos))
         aux_loss, routing = 0.0, []
         for i, block in enumerate(self.transformer.h):
             layer_cache = cache.layers[i] if cache else None
-            x, layer_aux, layer_routing = block(x, layer_cache, online, pos, fast)
+            x, layer_aux, layer_routing = block(x, layer_cache, online, pos)
             aux_loss = aux_loss + layer_aux
             routing += [layer_routing] if layer_routing is not None else []
         if cache is not None:
             cache.pos.add_(T)
         x = self.transformer.ln_f(x)
         aux = dict(aux_loss=aux_loss, routing=routing)
-        if targets is None:  # inference: the last position's logits only
-            return self.lm_head(x[:, [-1], :]), None, aux
-        logits = self.lm_head(x)  # (B, T, vocab_size)
+        if targets is None:  # inference: the last position's logits, without the padding
+            return self.lm_head(x[:, [-1], :])[..., :self.config.vocab_size], None, aux
+        logits = self.lm_head(x)  # (B, T, V padded)
         loss = F.cross_entropy(logits.flatten(0, 1), targets.reshape(-1), ignore_index=-1)
         return logits, loss, aux
 
-    def after_step(self):  # once per optimizer step: the routers' rule (e.g. relu's lambda)
+    def after_step(self):  # once per optimizer step: the routers' rule (relu's lambda...)
         if routers := self.routers():
             routers[0].after_step(routers)
 
@@ -261,53 +278,10 @@ class GPT(nn.Module):
         params = [p for p in self.parameters() if p.requires_grad]
         groups = [dict(params=[p for p in params if p.dim() >= 2], weight_decay=weight_decay),
                   dict(params=[p for p in params if p.dim() < 2], weight_decay=0.0)]  # norms
-        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=device_type == 'cuda')
+        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas,
+                                 fused=device_type == 'cuda')
 
-    def decode_token(self, idx, cache, fast=None):
+    def decode_token(self, idx, cache):
         """The logits after idx (B, 1) and the routing, one token through the caches."""
-        logits, _, aux = self(idx, cache=cache, online=True, fast=fast)
+        logits, _, aux = self(idx, cache=cache, online=True)
         return logits, aux['routing']
-
-    @torch.inference_mode()
-    def generate(self, idx, max_new_tokens, temperature=1.0, sample_top_k=None, use_cache=True,
-                 prompt_routing='online', on_token=None, decode=None, fast=None):
-        """Sample max_new_tokens after idx (B, T), with a Cache (KV + Expert Cache) or recomputing
-        the context each step: the same tokens and routing, for one context policy. The context is
-        the tokens since its start, at most block_size; when the next token would overfill it, it
-        starts again at its last half (block_size // 2 tokens, at least 1), routed anew.
-        prompt_routing: 'online' (token by token) or 'joint' (one sequence, as the paper's code);
-        on_token(routing) sees each step's routing; decode: a compiled step (fast.py)."""
-        block_size = self.config.block_size
-        if prompt_routing not in ('online', 'joint'):
-            raise ValueError(f"prompt_routing must be 'online' or 'joint', got '{prompt_routing}'")
-        if not use_cache and (prompt_routing == 'joint' or decode is not None):
-            raise ValueError("prompt_routing='joint' and a decoding step need use_cache=True")
-        cache, start = Cache(self.config), max(0, idx.shape[1] - block_size)  # the context's start
-        decode = decode or (lambda idx, cache: self.decode_token(idx, cache, fast))
-        for i in range(max_new_tokens):
-            full = idx.shape[1] - start > block_size
-            if full:  # the context starts again at its last half
-                start = idx.shape[1] - max(1, block_size // 2)
-            if not use_cache:
-                logits, _, aux = self(idx[:, start:], online=True, fast=fast)
-                routing = aux['routing']
-            elif i == 0 or full:  # the prompt, or the context started again
-                cache.reset()
-                online = prompt_routing == 'online' or i > 0
-                logits, _, aux = self(idx[:, start:], cache=cache, online=online, fast=fast)
-                routing = aux['routing']
-            else:  # the token sampled last (its own tensor: a slice of idx has other strides)
-                logits, routing = decode(idx_next, cache)
-            if on_token is not None:
-                on_token(routing)
-            logits = logits[:, -1, :]
-            if temperature <= 0:  # greedy
-                idx_next = logits.argmax(dim=-1, keepdim=True)
-            else:
-                logits = logits / temperature
-                if sample_top_k is not None:
-                    v, _ = torch.topk(logits, min(sample_top_k, logits.size(-1)))
-                    logits = logits.masked_fill(logits < v[:, [-1]], -float('inf'))
-                idx_next = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
-            idx = torch.cat((idx, idx_next), dim=1)
-        return idx

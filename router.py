@@ -1,8 +1,8 @@
 """
-The routers of "Route Expert by Sequence, Not by Token" (SeqTopK), as the paper writes them: scores
-(B, T, N) (B sequences of T tokens, N experts) to a mask (B, T, N), True where a token takes an
-expert; then the gates and losses, then a small class per router. R = max_k - min_k: a token's
-scores that still compete for the budget (its best min_k it always takes, those past max_k never).
+The routers of "Route Expert by Sequence, Not by Token" (SeqTopK, arXiv 2511.06494) as the
+paper writes them: scores (B, T, N) (B sequences of T tokens, N experts) to a mask (B, T, N),
+True where a token takes an expert; then the gates and losses; then a small class per router.
+R = max_k - min_k: a token's scores still competing for the budget.
 """
 import torch
 import torch.nn as nn
@@ -10,14 +10,14 @@ from torch.nn import functional as F
 
 
 def topk_mask(scores, k):
-    # Eq. (3), TopK routing: each token takes its own k highest-scoring experts.
+    """Eq. (3), TopK: each token takes its own k highest-scoring experts."""
     idx = scores.topk(k, dim=-1).indices  # (B, T, k)
     return torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, idx, True)
 
 
 def top_entries(values, n):
-    """Each row's n largest entries (..., L), ties to the earlier: every entry above the n-th
-    largest value, then the earliest of those equal to it, as many as still fit."""
+    """Each row's n largest entries (..., L), ties to the earlier: every entry above the
+    n-th largest value, then the earliest of those equal to it, as many as still fit."""
     if n == 0:
         return torch.zeros_like(values, dtype=torch.bool)
     nth = values.topk(n, dim=-1, sorted=False).values.amin(dim=-1, keepdim=True)
@@ -26,24 +26,26 @@ def top_entries(values, n):
 
 
 def seqtopk_bounds(k, n_exp, min_k=1, max_k=None):
-    """The per-token bounds (min_k, max_k), by default the paper's (1, k + 2), containing k."""
-    max_k = min(k + 2 if max_k is None else max_k, n_exp)  # max_k >= n_exp: no upper bound
+    """The per-token bounds (min_k, max_k), by default the paper's (1, k + 2): they contain
+    k; a max_k of n_exp or more is no upper bound."""
+    max_k = min(k + 2 if max_k is None else max_k, n_exp)
     if not 1 <= k <= n_exp:
         raise ValueError(f"--top_k={k} must be between 1 and --n_exp={n_exp}")
     if min_k > k:
-        raise ValueError(f"--seq_min_k={min_k} must be at most --top_k={k} (bounds contain top_k)")
+        raise ValueError(f"--seq_min_k={min_k} must be at most --top_k={k}")
     if max_k < k:
-        raise ValueError(f"--seq_max_k={max_k} must be 0 (= top_k + 2) or at least --top_k={k}")
+        raise ValueError(f"--seq_max_k={max_k} must be 0 (top_k + 2) or at least --top_k={k}")
     return min_k, max_k
 
 
 def seqtopk_mask(scores, k, min_k=1, max_k=None):
-    # Eq. (5), SeqTopK routing: the top T*k entries of each sequence's T x N score matrix,
-    # with every token taking between min_k and max_k experts.
+    """Eq. (5), SeqTopK: the top T*k entries of each sequence's T x N score matrix,
+    every token taking between min_k and max_k experts."""
     B, T, N = scores.shape
     min_k, max_k = seqtopk_bounds(k, N, min_k, max_k)
-    # A token takes its first min_k and at most its best max_k; the rest of the budget goes to the
-    # best other ranks across the sequence, ties to the earlier token (the best total: tested).
+    # A token takes its first min_k and at most its best max_k; the rest of the budget
+    # goes to the best other ranks across the sequence, ties to the earlier token (the
+    # best total: tested)
     ranked, order = scores.topk(max_k, dim=-1)  # (B, T, max_k)
     extra = top_entries(ranked[..., min_k:].reshape(B, -1), T * (k - min_k))  # (B, T*R)
     taken = torch.cat([torch.ones_like(ranked[..., :min_k], dtype=torch.bool),
@@ -52,61 +54,73 @@ def seqtopk_mask(scores, k, min_k=1, max_k=None):
 
 
 def expert_cache_rows(scores, min_k, max_k):
-    # Eq. (6), the Expert Cache: it keeps the scores of every token so far, here only those that
-    # can still compete: each token's ranks min_k..max_k-1 (..., R).
+    """Eq. (6), the Expert Cache keeps the scores of every token so far; here only those
+    that can still compete: each token's ranks min_k..max_k-1 (..., R)."""
     return scores.topk(max_k, dim=-1).values[..., min_k:]
 
 
-def online_seqtopk_token(scores, cached, k, min_k=1, max_k=None, spent=None):
-    # Eq. (7), online SeqTopK: token m (scores (B, N)) takes expert i when (m, i) is among the top
-    # m*k entries of the m x N scores of tokens 1..m; the Expert Cache `cached` (B, m-1, R) holds
-    # tokens 1..m-1's, which win ties.
-    """spent (B,): what tokens 1..m-1 took; given, m takes at most m*k minus it (no overspend)."""
+def online_seqtopk_token(scores, cached, k, min_k=1, max_k=None, spent=None, m=None):
+    """Eq. (7), online SeqTopK: token m (scores (B, N)) takes expert i when (m, i) is
+    among the top m*k entries of the scores of tokens 1..m; the Expert Cache `cached`
+    (B, m-1, R) holds the earlier ones', which win ties. spent (B,), given: token m takes
+    at most m*k minus what tokens 1..m-1 took. m: given when `cached` has rows of -inf."""
     B, N = scores.shape
     min_k, max_k = seqtopk_bounds(k, N, min_k, max_k)
-    m, R = cached.shape[1] + 1, max_k - min_k
+    m, R = cached.shape[1] + 1 if m is None else m, max_k - min_k
     ranked, order = scores.topk(max_k, dim=-1)  # (B, max_k): its experts, best first
-    # Its best min_k it takes; each other candidate competes for the m*(k - min_k) left and wins
-    # when fewer come before it: the cached ones scoring at least as high, and its better ranks
+    # its best min_k it takes; each other candidate competes for the m*(k - min_k)
+    # places left and wins when fewer come before it: the cached scores at least as
+    # high, its better ranks
     ahead = (cached.reshape(B, 1, -1) >= ranked[:, min_k:, None]).sum(-1)  # (B, R)
-    won = ahead + torch.arange(R, device=scores.device) < m * (k - min_k)  # (B, R), a prefix
+    rank = torch.arange(max_k, device=scores.device)
+    won = (ahead + rank[:R]) < m * (k - min_k)  # (B, R): a prefix of its ranks
     count = min_k + won.sum(-1)  # (B,)
     if spent is not None:
         count = torch.minimum(count, m * k - spent)
-    taken = torch.arange(max_k, device=scores.device) < count[:, None]  # (B, max_k): by rank
+    taken = rank < count[:, None]  # (B, max_k): by rank
     return torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, order, taken)
 
 
-def online_seqtopk_mask(scores, k, min_k=1, max_k=None, strict=False, cached=None, spent=None):
-    # Eq. (7) for every token in turn: each routed against the Expert Cache, then added to it.
-    """cached (B, P, R), spent (B,): an Expert Cache of P earlier tokens and what they took."""
+def online_seqtopk_mask(scores, k, min_k=1, max_k=None, strict=False, cached=None,
+                        spent=None):
+    """Eq. (7) for every token in turn: each routed against the Expert Cache, then added
+    to it. cached (B, P, R), spent (B,): an Expert Cache of P earlier tokens and what
+    they took."""
     B, _, N = scores.shape
     min_k, max_k = seqtopk_bounds(k, N, min_k, max_k)
     cached = scores.new_empty(B, 0, max_k - min_k) if cached is None else cached
-    spent = torch.zeros(B, dtype=torch.long, device=scores.device) if spent is None else spent
+    if spent is None:
+        spent = torch.zeros(B, dtype=torch.long, device=scores.device)
     masks = []
     for s in scores.unbind(1):  # token by token: (B, N)
-        masks.append(online_seqtopk_token(s, cached, k, min_k, max_k, spent if strict else None))
+        cap = spent if strict else None
+        masks.append(online_seqtopk_token(s, cached, k, min_k, max_k, cap))
         cached = torch.cat([cached, expert_cache_rows(s[:, None], min_k, max_k)], dim=1)
         spent = spent + masks[-1].sum(-1)
     return torch.stack(masks, dim=1)  # (B, T, N)
 
 
+def online_seqtopk_cached(scores, k, min_k, max_k, strict, cache):
+    """online_seqtopk_mask for new tokens (B, T, N) against a generation's Expert Cache
+    (a cache.LayerCache, or None: no earlier tokens)."""
+    cached, spent = cache.expert_cache_so_far() if cache is not None else (None, None)
+    return online_seqtopk_mask(scores, k, min_k, max_k, strict, cached, spent)
+
+
 def batchtopk_mask(scores, k):
-    # BatchTopK (Bussmann et al.), training: the top B*T*k entries of the whole batch's scores.
+    """BatchTopK (Bussmann et al.), in training: the top B*T*k entries of the batch."""
     B, T, N = scores.shape
     return top_entries(scores.reshape(-1), B * T * k).view(B, T, N)
 
 
 def windowtopk_mask(scores, k, floor=1):
-    # SeqTopK as the paper's pretraining code selects (ReMoE-ts, sp_topk_softmax_with_capacity):
-    # Megatron's sequence-first scores (T, B, N) flattened to rows t*B + b, viewed as B "sequences"
-    # of T rows: windows of T/B positions of all B sequences. A window's top T*k entries, and each
-    # token's own top `floor` added, no upper bound (a layer can spend more than T*k).
+    """SeqTopK as the paper's pretraining code selects (ReMoE-ts): Megatron's scores
+    (T, B, N) flattened to rows t*B + b, viewed as B windows of T rows (T/B positions of
+    all B sequences); a window's top T*k entries, each token's own top `floor` added."""
     B, T, N = scores.shape
-    windows = scores.transpose(0, 1).reshape(B, T * N)  # (B windows, T*N), sequence-first rows
-    mask = top_entries(windows, T * k).view(T, B, N).transpose(0, 1).contiguous()  # (B, T, N)
-    return mask | topk_mask(scores, floor)
+    windows = scores.transpose(0, 1).reshape(B, T * N)  # (B windows, T*N): rows t*B + b
+    mask = top_entries(windows, T * k).view(T, B, N).transpose(0, 1)  # (B, T, N)
+    return mask.contiguous() | topk_mask(scores, floor)
 
 
 def mrltopk_ks(k):
@@ -115,9 +129,8 @@ def mrltopk_ks(k):
     return ks + [k] if k not in ks else ks
 
 
-@torch.compiler.disable  # eagerly: compiled, the layer count may be symbolic, which randint refuses
 def mrltopk_draw(k, n_layers, generator=None):
-    # MRL-TopK (appendix, fine-tuning setting): each layer's k ~ Uniform{2^1 .. 2^log2 K} per step.
+    """MRL-TopK (appendix, fine-tuning): each layer's k ~ Uniform{2^1..2^log2 K}, per step."""
     draws = torch.randint(len(mrltopk_ks(k)), (n_layers,), generator=generator)
     return [mrltopk_ks(k)[i] for i in draws.tolist()]  # plain ints: static shapes
 
@@ -126,8 +139,8 @@ def mrltopk_draw(k, n_layers, generator=None):
 # gates and the balance loss
 
 def routing_weights(scores, mask, renormalize=False, scale=1.0):
-    """The gates: scale x the selected scores (renormalize: per token first; not renormalised, a
-    token given more experts gets more gate mass, which SeqTopK relies on)."""
+    """The gates: scale x the selected scores (renormalize: per token first; else a token
+    given more experts gets more gate mass, which SeqTopK relies on)."""
     weights = scores * mask
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True).clamp_min(1e-9)
@@ -135,103 +148,102 @@ def routing_weights(scores, mask, renormalize=False, scale=1.0):
 
 
 def switch_balance(probs, mask, k):
-    # Switch load balance (Fedus et al.), as Megatron: N sum_e mean_t(p_e) tokens_e / (tokens * k);
-    # ReMoE's L1 regulariser is this on the ReLU gates (thu-ml/ReMoE, ReLURouter).
+    """Switch load balance (Fedus et al.), as Megatron: N sum_e mean_t(p_e) tokens_e /
+    (tokens k); ReMoE's L1 regulariser is this on the ReLU gates."""
     probs, mask = probs.flatten(0, -2), mask.flatten(0, -2)
-    tokens_per_expert = mask.sum(0).to(probs.dtype)  # counts: no gradient flows through them
-    return probs.shape[-1] * (probs.mean(0) * tokens_per_expert).sum() / (mask.shape[0] * k)
+    tokens_per_expert = mask.sum(0).to(probs.dtype)  # counts: no gradient flows through
+    N, M = probs.shape[-1], mask.shape[0]
+    return N * (probs.mean(0) * tokens_per_expert).sum() / (M * k)
 
 
 # -----------------------------------------------------------------------------
 # the routers in the model: what each one changes of the base
 
 class Router(nn.Module):
-    """Token features (B, T, C) -> mask, gates, scores (each (B, T, N)) and the auxiliary loss.
-    A router says how it selects (`select`); the rest it may leave as here."""
-    online = False  # it has an online rule, for a token that may see only the tokens before it
-    per_step_k = False  # in training it routes with each step's k (draw, train.py's k_schedule)
+    """Token features (B, T, C) -> mask, gates, scores (each (B, T, N)) and the aux loss.
+    A router says how it selects (`select`). Its buffers are its state."""
+    online = False  # it has an online rule, for a token that sees only the tokens before it
+    per_step_k = False  # it trains with each step's k (draw, train.py's k_schedule)
 
     def __init__(self, config):
         super().__init__()
         self.check(config)
         self.config = config
         self.gate = nn.Linear(config.n_embd, config.n_exp, bias=False)
-        # route_scale=0: each selected gate ~1 at init, when the scores are near uniform, so the
-        # MoE output starts on a dense FFN's scale (results/README.md, "The gate scale")
-        near_uniform = config.top_k if config.norm_topk_prob else dict(
-            softmax=config.n_exp, sigmoid=2, relu=1)[config.score_func]  # relu: ReMoE's gates
+        # route_scale=0: each selected gate ~1 at init (near-uniform scores), so the MoE
+        # output starts on a dense FFN's scale (results/README.md, "The gate scale")
+        near_uniform = config.top_k if config.norm_topk_prob else dict(  # relu: ReMoE's
+            softmax=config.n_exp, sigmoid=2, relu=1)[config.score_func]
         self.route_scale = config.route_scale or near_uniform
-        self.k = config.top_k  # experts per token in this training step (mrltopk draws it)
-        if config.balance == 'bias':  # a bias on the choice (never the gates), and its load
+        self.k = config.top_k  # experts per token in this training step (the script's)
+        if config.balance == 'bias':  # a bias on the choice (never the gates); the load
             self.register_buffer('expert_bias', torch.zeros(config.n_exp))
             self.register_buffer('expert_load', torch.zeros(config.n_exp))
 
     @classmethod
     def check(cls, config):
-        """ValueError, in the command line's words, for settings this router cannot route with."""
+        """ValueError, in the command line's words, for settings it cannot route with."""
         if not config.top_k <= config.n_exp:
-            raise ValueError(f"--top_k={config.top_k} must be at most --n_exp={config.n_exp}")
+            raise ValueError(f"--top_k={config.top_k} must be at most "
+                             f"--n_exp={config.n_exp}")
 
-    def forward(self, x, cache=None, online=False, fast=None):
-        """cache: this layer's part of a generation's Cache (no auxiliary loss then); online: by
+    def forward(self, x, cache=None, online=False):
+        """cache: this layer's part of a generation's Cache (no aux loss then); online: by
         the online rule, for the routers that have one."""
         cfg = self.config
-        with torch.autocast(device_type=x.device.type, enabled=False):  # fp32: near-ties rank alike
+        with torch.autocast(x.device.type, enabled=False):  # fp32: near-ties rank alike
             logits = F.linear(x.float(), self.gate.weight.float())  # (B, T, N)
         scores = (logits.softmax(dim=-1) if cfg.score_func == 'softmax' else
                   logits.sigmoid() if cfg.score_func == 'sigmoid' else logits.relu())
-        mask, gates = self.route(logits, scores, cache, online, fast)
-        aux_loss = 0.0 if cache is not None else self.aux_loss(logits, scores, mask, gates)
-        return mask, gates, scores, aux_loss
+        mask, gates = self.route(logits, scores, cache, online)
+        aux = 0.0 if cache is not None else self.aux_loss(logits, scores, mask, gates)
+        return mask, gates, scores, aux
 
-    def route(self, logits, scores, cache, online, fast):
+    def route(self, logits, scores, cache, online):
         cfg = self.config
         choice = scores + self.expert_bias if cfg.balance == 'bias' else scores
-        # a NaN score (a diverging run) ranks last, so every budget is still spent exactly and the
-        # NaN loss, not a selection of the wrong size, stops the run
+        # a NaN score (a diverging run) ranks last: every budget is still spent exactly,
+        # and the NaN loss, not a selection of the wrong size, stops the run
         choice = choice.masked_fill(choice.isnan(), float('-inf'))
-        mask = self.select(choice, cache, online, fast)
+        mask = self.select(choice, cache, online)
         if cfg.balance == 'bias' and self.training:
             self.expert_load.add_(mask.sum(dim=(0, 1)))
         return mask, routing_weights(scores, mask, cfg.norm_topk_prob, self.route_scale)
 
-    def select(self, scores, cache, online, fast):  # scores (B, T, N) -> mask (B, T, N)
+    def select(self, scores, cache, online):  # scores (B, T, N) -> mask (B, T, N)
         raise NotImplementedError
 
     def current_k(self):  # experts per token now: this step's k in training, else top_k
         return self.k if self.training else self.config.top_k
 
-    def max_k(self):  # the most experts one token takes (None: no bound): a decoding step's slots
-        return None
-
-    def n_pairs(self, n_tokens, online):  # the (token, expert) pairs, when known (None: counted)
-        return None
-
     @staticmethod
     def draw(k, n_layers, generator=None):  # each MoE layer's k for one training step
         return [k] * n_layers
 
-    def needs_calibration(self):  # an evaluation-only run must first set its state in training
+    def needs_calibration(self):  # an evaluation must first set its state on training data
         return False
 
     def aux_loss(self, logits, scores, mask, gates):
-        """The router z-loss, plus with balance='aux' the Switch balance loss (on the scores
-        normalised per token, for sigmoid and relu scores)."""
+        """The router z-loss, plus with balance='aux' the Switch balance loss (on the
+        scores normalised per token, for sigmoid and relu scores)."""
         cfg = self.config
         loss = cfg.z_loss_weight * logits.logsumexp(dim=-1).square().mean()
         if cfg.balance == 'aux':
-            probs = scores if cfg.score_func == 'softmax' else (
-                scores / scores.sum(-1, keepdim=True).clamp_min(1e-9))  # relu: a row may be all 0
-            loss = cfg.aux_loss_weight * switch_balance(probs, mask, self.current_k()) + loss
+            probs = scores if cfg.score_func == 'softmax' else (  # relu: a row may be all 0
+                scores / scores.sum(-1, keepdim=True).clamp_min(1e-9))
+            balance = switch_balance(probs, mask, self.current_k())
+            loss = cfg.aux_loss_weight * balance + loss
         return loss
 
     @classmethod
     @torch.no_grad()
     def after_step(cls, routers):
-        # Loss-free balancing (DeepSeek-V3): each bias moves by balance_rate toward an even load
+        """Once per optimizer step. Loss-free balancing (DeepSeek-V3): each bias moves by
+        balance_rate toward an even load."""
         for router in routers if routers[0].config.balance == 'bias' else ():
             load = router.expert_load
-            router.expert_bias.add_(router.config.balance_rate * torch.sign(load.mean() - load))
+            step = router.config.balance_rate * torch.sign(load.mean() - load)
+            router.expert_bias.add_(step)
             load.zero_()
 
 
@@ -239,24 +251,20 @@ class TopK(Router):
     """TopK: each token its own k best experts (Eq. 3)."""
     per_step_k = True
 
-    def select(self, scores, cache, online, fast):
+    def select(self, scores, cache, online):
         return topk_mask(scores, self.current_k())
-
-    def max_k(self):
-        return self.config.top_k
-
-    def n_pairs(self, n_tokens, online):
-        return n_tokens * self.current_k()
 
 
 class MRLTopK(TopK):
-    """MRL-TopK, the paper's fine-tuning baseline: topk with each layer's k drawn every step."""
+    """MRL-TopK, the paper's fine-tuning baseline: topk, each layer's k drawn each step."""
     draw = staticmethod(mrltopk_draw)
 
 
 class SeqTopK(Router):
-    """SeqTopK (Eq. 5) in training; online (causal evaluation, decoding) Eq. 7, token by token."""
+    """SeqTopK (Eq. 5) in training; online (causal evaluation, decoding) Eq. 7, token by
+    token against the Expert Cache."""
     online = True
+    online_rule = staticmethod(online_seqtopk_cached)  # the scripts': fast.online_mask
 
     @classmethod
     def check(cls, config):
@@ -267,45 +275,34 @@ class SeqTopK(Router):
     def bounds(cfg):
         return seqtopk_bounds(cfg.top_k, cfg.n_exp, cfg.seq_min_k, cfg.seq_max_k or None)
 
-    def select(self, scores, cache, online, fast):
-        cfg, (min_k, max_k) = self.config, self.bounds(self.config)
-        strict = cfg.seq_budget == 'strict'
-        if not online:
-            mask = self.offline(scores)
-        elif fast is None:  # token by token against the Expert Cache (empty without a generation)
-            cached, spent = cache.expert_cache_so_far() if cache is not None else (None, None)
-            mask = online_seqtopk_mask(scores, cfg.top_k, min_k, max_k, strict, cached, spent)
-        else:  # the same by counting, for many tokens at once or in a compiled step (fast.py)
-            mask = fast.online_mask(scores, cfg.top_k, min_k, max_k, strict, cache)
-        if cache is not None:
-            cache.write_expert_cache(expert_cache_rows(scores, min_k, max_k), mask.sum(dim=(1, 2)))
-        return mask
-
     def offline(self, scores):  # Eq. 5: the whole sequence at once
         min_k, max_k = self.bounds(self.config)
         return seqtopk_mask(scores, self.config.top_k, min_k, max_k)
 
-    def max_k(self):
-        return self.bounds(self.config)[1]
-
-    def n_pairs(self, n_tokens, online):
-        return None if online else n_tokens * self.config.top_k
+    def select(self, scores, cache, online):
+        cfg, (min_k, max_k) = self.config, self.bounds(self.config)
+        mask = self.offline(scores) if not online else self.online_rule(
+            scores, cfg.top_k, min_k, max_k, cfg.seq_budget == 'strict', cache)
+        if cache is not None:
+            rows = expert_cache_rows(scores, min_k, max_k)
+            cache.write_expert_cache(rows, mask.sum(dim=(1, 2)))
+        return mask
 
 
 class BatchTopK(Router):
-    """Training: the batch's top B*T*k; the threshold follows the smallest selected score (an EMA,
-    one step per optimizer step over its micro-batches); evaluation and decoding: that threshold,
-    so a sequence never depends on the batch."""
+    """Training: the batch's top B*T*k, the threshold following the smallest selected
+    score (an EMA, once per optimizer step); evaluation and decoding: the scores above
+    it, so that a sequence never depends on the batch."""
 
     def __init__(self, config):
         super().__init__(config)
         self.register_buffer('threshold', torch.zeros(()))
-        self.register_buffer('calibrated', torch.zeros(()))  # 1: a training step set threshold
-        self.register_buffer('smallest_sum', torch.zeros(()))  # since the last step: summed,
-        self.register_buffer('smallest_count', torch.zeros(()))  # over its micro-batches
+        self.register_buffer('calibrated', torch.zeros(()))  # 1: a training step set it
+        self.register_buffer('smallest_sum', torch.zeros(()))  # since the last step,
+        self.register_buffer('smallest_count', torch.zeros(()))  # its micro-batches
 
-    def select(self, scores, cache, online, fast):
-        if not self.training:  # every score above the threshold learnt in training
+    def select(self, scores, cache, online):
+        if not self.training:
             return scores > self.threshold
         mask = batchtopk_mask(scores, self.config.top_k)
         with torch.no_grad():
@@ -313,17 +310,15 @@ class BatchTopK(Router):
             self.smallest_count.add_(1)
         return mask
 
-    def n_pairs(self, n_tokens, online):
-        return n_tokens * self.config.top_k if self.training else None
-
     def needs_calibration(self):
         return not self.calibrated
 
     @classmethod
     @torch.no_grad()
     def after_step(cls, routers):
-        # any value is a threshold (with balance='bias' or relu scores, <= 0 too): `calibrated` says
-        # whether one was set; under DDP the sums are the ranks' mean, so N processes step as one
+        # any value is a threshold (balance='bias' or relu scores: <= 0 too), so a flag
+        # says one was set; under DDP the sums are the ranks' means, and N processes
+        # step as one
         for router in routers:
             if router.smallest_count > 0:
                 decay = router.config.threshold_decay * router.calibrated
@@ -336,10 +331,9 @@ class BatchTopK(Router):
 
 
 class WindowTopK(SeqTopK):
-    """The paper's pretraining code's SeqTopK (windowtopk_mask) in training and offline evaluation.
-    Its windows rank later tokens and other sequences of the batch, which a token being generated
-    cannot see: causal evaluation and decoding route by the online rule (Eq. 7) with its floor and,
-    like the window, no upper bound."""
+    """The paper's pretraining code's SeqTopK (windowtopk_mask) in training and offline.
+    Its windows see later tokens and other sequences: causal evaluation and decoding
+    route by the online rule (Eq. 7), with its floor and no upper bound."""
 
     @classmethod
     def check(cls, config):
@@ -350,21 +344,16 @@ class WindowTopK(SeqTopK):
 
     @staticmethod
     def bounds(cfg):
-        return seqtopk_bounds(cfg.top_k, cfg.n_exp, min(cfg.window_floor, cfg.top_k), cfg.n_exp)
+        min_k = min(cfg.window_floor, cfg.top_k)
+        return seqtopk_bounds(cfg.top_k, cfg.n_exp, min_k, cfg.n_exp)
 
     def offline(self, scores):
         return windowtopk_mask(scores, self.config.top_k, self.config.window_floor)
 
-    def max_k(self):
-        return None
-
-    def n_pairs(self, n_tokens, online):
-        return None
-
 
 class ReLU(Router):
-    """ReMoE: gates = ReLU(logits), steered to top_k experts per token on average by an L1 penalty
-    with adaptive lambda. Buffers: the opening logit (0 = ReMoE), lambda, the active fractions."""
+    """ReMoE: gates = ReLU(logits), steered to top_k experts per token on average by an
+    L1 penalty with an adaptive lambda."""
 
     def __init__(self, config):
         super().__init__(config)
@@ -377,12 +366,11 @@ class ReLU(Router):
     def check(cls, config):
         super().check(config)
         if config.balance == 'bias':
-            raise ValueError("--balance=bias needs a router that ranks scores; relu balances "
-                             "through its own regulariser (use --balance=aux)")
+            raise ValueError("--balance=bias needs a router that ranks scores; relu "
+                             "balances through its own regulariser (use --balance=aux)")
 
-    def route(self, logits, scores, cache, online, fast):
-        # ReMoE: gates = ReLU(logits), here opening at a per-layer threshold <= 0 (0: ReMoE's)
-        gates = F.relu(logits - self.threshold)
+    def route(self, logits, scores, cache, online):
+        gates = F.relu(logits - self.threshold)  # a layer's threshold <= 0 (ReMoE's: 0)
         mask = gates > 0
         if self.training:
             with torch.no_grad():
@@ -391,42 +379,44 @@ class ReLU(Router):
         return mask, gates
 
     def aux_loss(self, logits, scores, mask, gates):
-        # ReMoE's one regulariser and balancer: lambda x the Switch formula on the gates (no z-loss)
+        # ReMoE's one regulariser and balancer: lambda x the Switch formula on the gates
         return self.l1_coef.clone() * switch_balance(gates, mask, self.config.top_k)
 
     @classmethod
     @torch.no_grad()
     def after_step(cls, routers):
-        """Each layer's lambda (relu_l1_per_layer=False: one, as ReMoE) and threshold, from the
-        active fractions since the last step."""
+        """Each layer's lambda (relu_l1_per_layer=False: one, as ReMoE) and threshold,
+        from the active fractions since the last step."""
         cfg = routers[0].config
         target = cfg.top_k / cfg.n_exp
         for group in [[r] for r in routers] if cfg.relu_l1_per_layer else [routers]:
             count = sum(r.active_count for r in group)
             active = sum(r.active_sum for r in group) / count.clamp_min(1)
-            # ReMoE's controller (thu-ml/ReMoE, training.py): lambda x factor when the active
-            # fraction is above K/N (too dense), / factor otherwise; kept within [1e-12, 1e3]
+            # ReMoE's controller (thu-ml/ReMoE, training.py): lambda x factor when the
+            # active fraction is above K/N (too dense), / factor otherwise; within
+            # [1e-12, 1e3]
             factor = torch.where(active > target, cfg.relu_l1_step, 1 / cfg.relu_l1_step)
             coef = (group[0].l1_coef * factor).clamp(1e-12, 1e3)
             for router in group:
                 router.l1_coef.copy_(torch.where(count > 0, coef, router.l1_coef))
         for router in routers:
-            # not in ReMoE, whose lambda only shuts gates: a too-sparse layer reopens as its
-            # threshold falls by relu_threshold_step x the relative error (active - K/N) / (K/N)
+            # not in ReMoE, whose lambda only shuts gates: a too-sparse layer reopens,
+            # its threshold falling by relu_threshold_step x (active - K/N) / (K/N)
             active = router.active_sum / router.active_count.clamp_min(1)
-            threshold = router.threshold + cfg.relu_threshold_step * (active - target) / target
-            router.threshold.copy_(torch.where(router.active_count > 0, threshold.clamp(max=0.0),
-                                               router.threshold))
+            step = cfg.relu_threshold_step * (active - target) / target
+            threshold = (router.threshold + step).clamp(max=0.0)
+            seen = router.active_count > 0
+            router.threshold.copy_(torch.where(seen, threshold, router.threshold))
             router.active_sum.zero_()
             router.active_count.zero_()
 
 
-# Adding a router: its selection as a function above, a class changing what differs, a row here.
-ROUTERS = dict(topk=TopK, mrltopk=MRLTopK, seqtopk=SeqTopK, batchtopk=BatchTopK, relu=ReLU,
-               windowtopk=WindowTopK)
+# Adding a router: its selection as a function above, a class changing what differs, a
+# row here.
+ROUTERS = dict(topk=TopK, mrltopk=MRLTopK, seqtopk=SeqTopK, batchtopk=BatchTopK,
+               relu=ReLU, windowtopk=WindowTopK)
 
 
 def step_ks(cfg, n_layers, generator=None):
-    """Each MoE layer's k for one training step, as plain ints (a seeded generator: a function
-    of the step)."""
+    """Each MoE layer's k for one training step, as plain ints (the scripts draw them)."""
     return ROUTERS[cfg.router].draw(cfg.top_k, n_layers, generator)

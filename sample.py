@@ -1,23 +1,28 @@
 """
-Generate text from a trained checkpoint, with the KV cache and the Expert Cache.
+Generate text from a trained checkpoint with the KV cache and the Expert Cache (generate): eager,
+the plain definitions, or the decoding step compiled as gpt-fast compiles it (compiled_decode).
 
     python sample.py --out_dir=out --start="ROMEO:" --max_new_tokens=300
     python sample.py --start=FILE:prompt.txt --color=True   # each token coloured by its experts
     python sample.py --compile=True --temperature=0         # the decoding step compiled
 """
+import functools
 import os
 import sys
 import time
 
 import torch
+from torch.nn import functional as F
 
-import checkpoint as ckpt_io
-from configurator import (configure, device_name, non_empty, non_negative, non_negative_int,
-                          one_of, positive_int)
+import checkpoint as ckpt
 import fast
+from cache import Cache
+from configurator import (autocast_for, configure, device_name, fail, keep_freed_cpu_memory,
+                          non_empty, non_negative, non_negative_int, one_of, pick_device,
+                          positive_int)
 from model import GPT, GPTConfig
 from prepare import get_codec
-from runtime import autocast_for, keep_freed_cpu_memory, pick_device
+from router import MRLTopK, SeqTopK, TopK
 
 # -----------------------------------------------------------------------------
 out_dir = 'out'            # where train.py wrote ckpt.pt
@@ -34,7 +39,6 @@ prompt_routing = 'online'  # 'online': the prompt token by token, as generation;
 compile = False            # compile the cached decoding step (CUDA: replayed as a CUDA graph)
 color = False              # colour each token by the experts it took, mean over MoE layers
 # -----------------------------------------------------------------------------
-# what each setting may be (configurator.py), checked before anything runs
 RULES = dict(out_dir=non_empty, start=non_empty, num_samples=positive_int,
              max_new_tokens=positive_int, temperature=non_negative,
              sample_top_k=non_negative_int, seed=non_negative_int, device=device_name,
@@ -47,65 +51,168 @@ RELATIONS = [('prompt_routing', lambda c: c['prompt_routing'] == 'online' or c['
 
 
 def main():
-    dev = pick_device_or_fail()
+    try:
+        dev = pick_device(device)
+    except ValueError as e:
+        fail(e)
     run_dtype, ctx = autocast_for(dev, dtype)  # as train.py
     torch.manual_seed(seed)
     keep_freed_cpu_memory()  # as train.py: large CPU tensors reuse freed memory
     model, meta = load_model(out_dir, dev)
     encode, decode = get_codec(meta)
-    x = torch.tensor(prompt_ids(encode, model.config.block_size), dtype=torch.long,
-                     device=dev)[None, ...]
-    # the step compiled as gpt-fast's generate.py does; eager, every idea in its plain form
-    decoder = fast.compiled_decode(model) if compile else None
-    if compile:  # compiled once by a short greedy generation (no random draws), timed apart
+    x = torch.tensor(prompt_ids(encode, model.config.block_size), device=dev)[None, ...]  # (1, T)
+    decoder = compiled_decode(model) if compile else None  # None: eager, the plain definitions
+    cache = Cache(model.config)  # one for every generation: a compiled step's buffers stay put
+    if compile:  # compiled (on CUDA, its graph recorded) by a short greedy generation, timed apart
         t0 = time.time()
         with ctx:
-            model.generate(x[:, :1], 2, temperature=0, decode=decoder)
+            generate(model, x[:, :1], 4, temperature=0, decode=decoder, cache=cache)
         synchronize(dev)
         print(f"[compiled the decoding step in {time.time() - t0:.1f} s]")
     for _ in range(num_samples):
-        experts = ExpertCounts()
-        t0 = time.time()
+        experts, clock = ExpertCounts(), []
+
+        def on_token(routing):
+            if not clock:  # the prompt is in: the clock counts the decoding steps only
+                synchronize(dev)
+                clock.append(time.time())
+            if routing:
+                experts.add(routing)
         try:
             with ctx:
-                y = model.generate(x, max_new_tokens, temperature=temperature,
-                                   sample_top_k=sample_top_k or None, use_cache=use_cache,
-                                   prompt_routing=prompt_routing, decode=decoder,
-                                   on_token=experts.add if model.routers() else None)
+                y = generate(model, x, max_new_tokens, temperature=temperature, use_cache=use_cache,
+                             sample_top_k=sample_top_k or None, prompt_routing=prompt_routing,
+                             decode=decoder, on_token=on_token, cache=cache)
         except ValueError as e:
             fail(e)
         synchronize(dev)
-        seconds = time.time() - t0
-        per_token = experts.per_token()  # the prompt's and each generated token's
-        if color and per_token:
-            print(colored(y[0].tolist(), per_token, decode, model.config.top_k))
-        else:
-            print(decode(y[0].tolist()))
+        seconds = time.time() - clock[0]
+        ids, per_token = y[0].tolist(), experts.per_token()
+        print(colored(ids, per_token, decode, model.config.top_k) if color and per_token
+              else decode(ids))
         if experts.generated() is not None:
             print(experts.summary(model.config, ('cached' if use_cache else 'recomputed') +
                                   f', prompt routed {prompt_routing}'))
-        print(f"[{max_new_tokens} tokens in {seconds:.2f} s: {max_new_tokens / seconds:.1f} "
-              f"tokens/s, {'compiled' if compile else 'eager'}, {run_dtype}]")
+        steps = max_new_tokens - 1  # the tokens after the first, which the prompt's forward gives
+        print(f"[{max_new_tokens} tokens; the {steps} after the first in {seconds:.2f} s: "
+              f"{steps / max(seconds, 1e-9):.1f} tokens/s, {'compiled' if compile else 'eager'}, "
+              f"{run_dtype}]")
         print('---------------')
 
 
 # -----------------------------------------------------------------------------
+# the generation loop
+@torch.inference_mode()
+def generate(model, idx, max_new_tokens, temperature=1.0, sample_top_k=None, use_cache=True,
+             prompt_routing='online', on_token=None, decode=None, cache=None):
+    """Sample max_new_tokens after idx (B, T), with a Cache (KV + Expert Cache) or recomputing the
+    context each step: the same tokens and routing. A full context starts again at its last half
+    (block_size // 2 tokens, at least 1), routed anew. prompt_routing: 'online' (token by token) or
+    'joint' (one sequence, as the paper's code); on_token(routing) sees each step's routing;
+    decode: a compiled step; cache: one to reuse (a compiled step's CUDA graph is recorded once)."""
+    block_size = model.config.block_size
+    if prompt_routing not in ('online', 'joint'):
+        raise ValueError(f"prompt_routing must be 'online' or 'joint', not {prompt_routing}")
+    if not use_cache and (prompt_routing == 'joint' or decode is not None):
+        raise ValueError("prompt_routing='joint' and a decoding step need use_cache=True")
+    cache = Cache(model.config) if cache is None else cache
+    start, idx_next = max(0, idx.shape[1] - block_size), None  # the context's start
+    for i in range(max_new_tokens):
+        full = idx.shape[1] - start > block_size
+        if full:  # the context starts again at its last half
+            start = idx.shape[1] - max(1, block_size // 2)
+        if not use_cache or i == 0 or full:  # recomputing, the prompt, or the context started again
+            if use_cache:
+                cache.reset()
+            logits, _, aux = model(idx[:, start:], cache=cache if use_cache else None,
+                                   online=prompt_routing == 'online' or i > 0)
+            routing = aux['routing']
+        else:  # the token sampled last (its own tensor: a slice has other strides)
+            logits, routing = (decode or model.decode_token)(idx_next, cache)
+        if on_token is not None:
+            on_token(routing)
+        logits = logits[:, -1, :]
+        if temperature <= 0:  # greedy
+            idx_next = logits.argmax(dim=-1, keepdim=True)
+        else:
+            logits = logits / temperature
+            if sample_top_k is not None:
+                v, _ = torch.topk(logits, min(sample_top_k, logits.size(-1)))
+                logits = logits.masked_fill(logits < v[:, [-1]], -float('inf'))
+            idx_next = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
+        idx = torch.cat((idx, idx_next), dim=1)
+    return idx
+
+
+# -----------------------------------------------------------------------------
+# the compiled decoding step: each token's experts in a fixed number of slots (fast paths)
+def slot_pairs(mask, gates, slots):
+    """Each token's experts in `slots` slots (M, slots), those it takes first, and their gates; a
+    slot it does not take holds its first expert again with gate 0 (no other weights are read)."""
+    taken, expert = mask.to(gates.dtype).topk(slots, dim=-1)
+    expert = torch.where(taken > 0, expert, expert[:, :1])
+    return expert, gates.gather(-1, expert) * taken
+
+
+def slot_experts(x, expert, gate, w_fc, w_proj):
+    """model.moe_loop over (M, slots) experts and gates, each pair's weights gathered (as gpt-fast
+    decodes Mixtral; cast after the gather: a bf16 step reads only the experts it uses)."""
+    M, C = x.shape
+    expert = expert.flatten()
+    h = F.gelu(torch.bmm(x.repeat_interleave(gate.shape[1], dim=0).unsqueeze(1),
+                         w_fc.index_select(0, expert).to(x.dtype)))  # (P, 1, H)
+    y = torch.bmm(h * gate.reshape(-1, 1, 1), w_proj.index_select(0, expert).to(x.dtype))
+    return y.view(M, -1, C).sum(dim=1)
+
+
+def decode_slots(router):
+    """A decoding step's slots: the most experts one token takes (topk: k; SeqTopK: its upper bound,
+    Eq. 5's), or None (no bound)."""
+    kind = type(router)
+    if kind in (TopK, MRLTopK):
+        return router.config.top_k
+    return router.bounds(router.config)[1] if kind is SeqTopK else None
+
+
+def decode_experts(x, mask, gates, w_fc, w_proj, router, slots=None):
+    """A decoding step's experts, each token's in `slots` slots (default decode_slots; no bound:
+    fast.sorted_experts)."""
+    slots = slots or decode_slots(router)
+    if slots is None:
+        return fast.sorted_experts(x, mask, gates, w_fc, w_proj, router)
+    return slot_experts(x, *slot_pairs(mask, gates, slots), w_fc, w_proj)
+
+
+# inductor's settings for the CPU step, where every matmul has one row (one token)
+CPU_DECODE_OPTIONS = {
+    'cpp_wrapper': True,  # the step's kernel calls in C++, no interpreter between them
+    'post_grad_fusion_options': {'decompose_mm_pass': {}},  # one-row matmuls as fused reductions
+    'realize_opcount_threshold': 4,  # an expert's activations stored once, not recomputed per read
+}
+
+
+def compiled_decode(model, slots=None):
+    """model.decode_token with the fast paths (experts in `slots` slots), compiled once (fullgraph;
+    CUDA: a CUDA graph), as a decode(idx, cache) for generate; the model is left as it was."""
+    cuda = next(model.parameters()).is_cuda
+    step = fast.paths(model, experts=lambda router: functools.partial(
+        decode_experts, router=router, slots=slots))
+    compiled = torch.compile(step.decode_token, fullgraph=True,
+                             mode='reduce-overhead' if cuda else None,
+                             options=None if cuda else CPU_DECODE_OPTIONS)
+
+    def decode(idx, cache):
+        if idx.is_cuda:
+            torch.compiler.cudagraph_mark_step_begin()  # the last step's outputs are read: replay
+        return compiled(idx, cache)
+    return decode
+
+
+# -----------------------------------------------------------------------------
 # the checkpoint, the prompt, and what generation reports
-
-def fail(message):
-    raise SystemExit(f"error: {message}")
-
-
-def pick_device_or_fail():
-    try:
-        return pick_device(device)
-    except ValueError as e:
-        fail(e)
-
-
 def synchronize(dev):  # the clock reads what the GPU has done
-    if device.startswith('cuda'):
-        torch.cuda.synchronize()
+    if dev.startswith('cuda'):
+        torch.cuda.synchronize(dev)
 
 
 def load_model(out_dir, device):
@@ -113,12 +220,12 @@ def load_model(out_dir, device):
     ckpt_path = os.path.join(out_dir, 'ckpt.pt')
     if not os.path.isfile(ckpt_path):
         fail(f"no checkpoint at {ckpt_path}; train one with `python train.py --out_dir={out_dir}`")
-    checkpoint = ckpt_io.load(ckpt_path)
+    checkpoint = ckpt.load(ckpt_path)
     try:
         model = GPT(GPTConfig(**checkpoint['model_args']))
     except (ValueError, TypeError) as e:
         fail(f"{ckpt_path} has model settings this code cannot build ({e})")
-    ckpt_io.load_weights(model, checkpoint, ckpt_path)
+    ckpt.load_weights(model, checkpoint, ckpt_path)
     return model.eval().to(device), checkpoint['meta']
 
 
@@ -130,8 +237,8 @@ def prompt_ids(encode, block_size):
             with open(text[5:], encoding='utf-8') as f:
                 text = f.read()
         except (OSError, UnicodeDecodeError) as e:
-            fail(f"--start={text}: cannot read the prompt file "
-                 f"({getattr(e, 'strerror', None) or e})")
+            reason = getattr(e, 'strerror', None) or e
+            fail(f"--start={text}: cannot read the prompt file ({reason})")
     try:
         ids = encode(text)
     except ValueError as e:
@@ -149,12 +256,11 @@ class ExpertCounts:
     (reading them each step would wait on a GPU)."""
 
     def __init__(self):
-        self.prompt, self.steps = None, []
+        self.prompt_layers, self.steps = None, []  # prompt_layers: (layers, prompt tokens)
 
     def add(self, routing):
-        if self.prompt is None:  # the prompt's tokens: per layer, and the mean over layers
+        if self.prompt_layers is None:
             self.prompt_layers = torch.stack([mask[0].sum(-1) for mask, _ in routing]).cpu()
-            self.prompt = self.prompt_layers.float().mean(0)
         self.steps.append(torch.stack([mask[0, -1].sum() for mask, _ in routing]))
 
     def generated(self):
@@ -164,10 +270,11 @@ class ExpertCounts:
         return torch.stack(self.steps[1:]).long().cpu()
 
     def per_token(self):
+        """Each token's experts (mean over layers), the prompt's and the generated's, or []."""
         counts = self.generated()
         if counts is None:
             return []
-        return self.prompt.tolist() + counts.float().mean(1).tolist()
+        return self.prompt_layers.float().mean(0).tolist() + counts.float().mean(1).tolist()
 
     def per_layer(self):
         """(layers, tokens): the prompt's and each generated token's experts in each layer."""
@@ -179,27 +286,28 @@ class ExpertCounts:
         return (f"[{cfg.router}, top_k={cfg.top_k}, {how}] experts per generated token: mean "
                 f"{counts.float().mean():.2f}, min {counts.min().item()}, max "
                 f"{counts.max().item()}, per layer "
-                f"{[round(v, 2) for v in counts.float().mean(0).tolist()]}, "
-                f"histogram (0..{cfg.n_exp} experts) {hist}; the prompt's "
-                f"{self.prompt_layers.shape[1]} tokens took {self.prompt_layers.sum(1).tolist()} "
-                f"per layer")
+                f"{[round(v, 2) for v in counts.float().mean(0).tolist()]}, histogram "
+                f"(0..{cfg.n_exp} experts) {hist}; the prompt's {self.prompt_layers.shape[1]} "
+                f"tokens took {self.prompt_layers.sum(1).tolist()} per layer")
+
+
+def shade(experts, top_k):
+    """A token's colour, from its expert count: -1 (none) .. 0 (top_k) .. +1 (2 * top_k or more);
+    sample.py paints it in the terminal, plot.py's token pictures in a figure."""
+    return max(-1.0, min(1.0, (experts - top_k) / max(top_k, 1)))
 
 
 def colored(ids, experts, decode, top_k):
-    """Text with each token's background coloured by its expert count: blue below top_k, white at
-    top_k, red above (ANSI 256 colours; the last token, never fed back, is uncoloured)."""
+    """Text with each token's background coloured by its expert count (shade): blue below top_k,
+    white at top_k, red above (ANSI 256 colours; the last token, never fed back, is uncoloured)."""
     palette = [21, 27, 33, 39, 45, 231, 217, 210, 203, 196]  # blue .. white .. red
 
-    def paint(text, f):  # f in [-1, 1]: how far below (-) or above (+) top_k, relative to top_k
+    def paint(text, f):
         return f"\033[48;5;{palette[min(9, int(5 + 4.5 * f))]}m\033[38;5;16m{text}\033[0m"
-    out = []
-    for i, token in enumerate(ids):
-        text = decode([token])
-        if i < len(experts):
-            text = paint(text, max(-1.0, min(1.0, (experts[i] - top_k) / max(top_k, 1))))
-        out.append(text)
+    text = ''.join(paint(decode([token]), shade(experts[i], top_k)) if i < len(experts)
+                   else decode([token]) for i, token in enumerate(ids))
     legend = ' '.join(paint(f" {top_k * (1 + f):.1f} ", f) for f in (-1, -0.5, 0, 0.5, 1))
-    return ''.join(out) + f"\n[experts per token: {legend}]"
+    return text + f"\n[experts per token: {legend}]"
 
 
 if __name__ == '__main__':

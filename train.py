@@ -5,9 +5,8 @@ Train a Mixture-of-Experts GPT. With no arguments: built-in Shakespeare (charact
     python train.py --router=seqtopk --top_k=2       # sequence-level routing, same compute
     python train.py config/tiny.py --max_iters=50    # a preset file, then overrides
     torchrun --standalone --nproc_per_node=4 train.py --router=seqtopk
-
-Every value below, and every field of model.GPTConfig, can be overridden with --key=value or a
-preset file (configurator.py).
+Every value below and every field of model.GPTConfig can be set with --key=value or a preset
+file; --help lists them.
 """
 import math
 import os
@@ -20,15 +19,13 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import checkpoint as ckpt_io
-import prepare
-from configurator import (Rule, at_step, check, configure, device_name, fraction, non_empty,
-                          non_negative, non_negative_int, one_of, positive, positive_int,
-                          schedule)
-from fast import FAST
+import checkpoint as ckpt
+import fast
+from configurator import (Rule, at_step, autocast_for, check, configure, device_name, fraction,
+                          keep_freed_cpu_memory, non_empty, non_negative, non_negative_int, one_of,
+                          pick_device, positive, positive_int, schedule)
 from model import GPT, GPTConfig
 from router import ROUTERS, step_ks
-from runtime import Stopper, autocast_for, join_torchrun, keep_freed_cpu_memory, pick_device
 from stats import (ExpertSpend, add_counts, done_line, done_summary, eval_line,
                    predictive_entropy, routing_counts, routing_stats, routing_summary, start_line)
 
@@ -39,11 +36,11 @@ eval_interval = 250
 eval_iters = 20
 log_interval = 25
 always_save_checkpoint = False  # else only when val loss improves (and at the end)
-overwrite = False               # a new run may replace the run already in out_dir
+overwrite = False               # a new run may replace the run in out_dir (moved to replaced/)
 init_from = 'scratch'           # 'scratch', 'resume' (out_dir/ckpt.pt), or a ckpt.pt to fine-tune
-eval_only = False               # evaluate once (e.g. a checkpoint with another router) and exit
+eval_only = False               # evaluate init_from's checkpoint once; writes into no run's folder
 # data
-dataset = 'shakespeare_char'    # a folder under data/ made by prepare.py
+dataset = ckpt.DEFAULT_DATASET  # a folder under data/ made by prepare.py
 batch_size = 16
 gradient_accumulation_steps = 1
 # model: every field of model.GPTConfig, with its default there (vocab_size comes from the data)
@@ -63,10 +60,9 @@ min_lr = 2e-4
 device = 'auto'                 # 'auto', 'cpu', 'cuda', 'cuda:1', 'mps'
 dtype = 'auto'                  # 'auto', 'float32', 'bfloat16', 'float16'
 compile = False
+moe_impl = 'grouped'            # the experts' matmuls: 'grouped' (one kernel), 'loop' (per expert)
 seed = 1337
 # -----------------------------------------------------------------------------
-# what train.py's own settings may be (configurator.py), checked before anything runs; the
-# model's are checked by GPTConfig.validate (model.py)
 RULES = dict(
     out_dir=non_empty, eval_interval=positive_int, eval_iters=positive_int,
     log_interval=positive_int, dataset=non_empty, batch_size=positive_int,
@@ -76,64 +72,44 @@ RULES = dict(
     weight_decay=non_negative, beta1=fraction, beta2=fraction, grad_clip=non_negative,
     warmup_iters=non_negative_int, lr_decay_iters=non_negative_int, min_lr=non_negative,
     device=device_name, dtype=one_of('auto', 'float32', 'bfloat16', 'float16'),
-    seed=non_negative_int)
-
-
+    moe_impl=one_of('grouped', 'loop'), seed=non_negative_int)
 RELATIONS = [('min_lr', lambda c: c['min_lr'] <= c['learning_rate'],
               'at most --learning_rate={learning_rate}')]
-# checked on the model's settings as the run will use them (a checkpoint's, merged): model_config
-MODEL_RELATIONS = [
+MODEL_RELATIONS = [  # checked on the model's settings as the run uses them (a checkpoint's, merged)
     ('k_schedule', lambda c: not c['k_schedule'] or schedule(c['k_schedule']) and all(
         1 <= k <= c['n_exp'] for _, k in schedule(c['k_schedule'])),
      "'step:k/step:k/...', steps rising from 0, each k between 1 and --n_exp={n_exp}"),
-    ('k_schedule', lambda c: not c['k_schedule'] or ROUTERS.get(c['router'], ROUTERS['topk'])
-     .per_step_k, "'' with --router={router}: only " +
-     ', '.join(n for n, r in ROUTERS.items() if r.per_step_k) + " route with a per-step k")]
+    ('k_schedule', lambda c: not c['k_schedule'] or ROUTERS[c['router']].per_step_k,
+     "'' with --router={router}: only " + ', '.join(n for n, r in ROUTERS.items() if r.per_step_k)
+     + " route with a per-step k")]
 config, overridden = configure(globals(), sys.argv[1:], RULES, RELATIONS, GPTConfig)
 t_begin = time.time()
 
 # -----------------------------------------------------------------------------
-# the processes, the device and the data
+# the run: its processes, its files, its model's settings (merged with a checkpoint's)
 ddp = 'RANK' in os.environ  # launched by torchrun: NCCL on GPUs, gloo on the CPU
 rank, world_size = (int(os.environ['RANK']), int(os.environ['WORLD_SIZE'])) if ddp else (0, 1)
 master_process = rank == 0
-run = ckpt_io.RunFiles(out_dir, write=master_process)  # log.jsonl and ckpt.pt
-stopper = Stopper(run, ddp, master_process, world_size, learning_rate)  # how the run stops
-fail = stopper.fail
-
-
-def model_config(model_args):
-    """The GPTConfig of these settings, or the one line saying which one it cannot have (checked
-    as the run will use them: a resumed or fine-tuned run's once merged with its checkpoint's)."""
-    try:
-        checked = GPTConfig(**model_args)
-        checked.validate()
-        check(dict(config, **model_args), {}, MODEL_RELATIONS)
-    except ValueError as e:
-        fail(e)
-    return checked
-
-
-if problem := ckpt_io.out_dir_problem(out_dir):
+run = ckpt.Run(out_dir, ddp, master_process, world_size, learning_rate)  # files; how it stops
+fail = run.fail
+if problem := run.out_dir_problem():
     fail(f"--out_dir={out_dir} {problem}")
-
-# -----------------------------------------------------------------------------
-# the model's settings, merged with the checkpoint a run continues from (resume or fine-tune)
-model_args = {k: config[k] for k in ckpt_io.MODEL_KEYS if k in config}
-iter_num, best_val_loss, checkpoint, run_id = 0, float('inf'), {}, ckpt_io.new_run_id()
+model_args = {k: config[k] for k in ckpt.MODEL_KEYS if k in config}
+iter_num, best_val_loss, checkpoint, run_id = 0, float('inf'), {}, ckpt.new_run_id()
 from_run = None  # the run fine-tuned from
-code = ckpt_io.code_version() if master_process else None  # the commit this process runs
 source = {'scratch': None, 'resume': run.ckpt_path}.get(init_from, init_from)
-if source is not None:
-    try:
-        checkpoint, model_args = ckpt_io.load_to_continue(
+try:
+    if source is not None:
+        checkpoint, model_args = ckpt.load_to_continue(
             source, init_from == 'resume', model_args, overridden, quiet=not master_process)
-    except ValueError as e:
-        fail(e)
-cfg = model_config(model_args)
-block_size = cfg.block_size  # the batches fit the model's context (a checkpoint's, continued)
+    cfg = GPTConfig(**model_args)
+    cfg.validate()  # the settings as the run uses them: a checkpoint's, merged
+    check(dict(config, **model_args), {}, MODEL_RELATIONS)
+except ValueError as e:
+    fail(e)
+block_size = cfg.block_size
 if init_from == 'resume':
-    if (logged := ckpt_io.log_run_id(run.log_path)) not in (None, checkpoint.get('run_id')):
+    if (logged := run.logged_run_id()) not in (None, checkpoint.get('run_id')):
         fail(f"{source} is not the checkpoint of the run in {run.log_path} (run {logged}): "
              f"that run replaced it and stopped before its first save; start again with "
              f"--overwrite=True, or give another --out_dir")
@@ -146,40 +122,33 @@ elif checkpoint:
     from_run = checkpoint.get('run_id')
     iter_num = checkpoint.get('iter_num', 0) if eval_only else 0  # an evaluation: its step
 if eval_only:  # an evaluation reads a checkpoint and writes into no training run's folder
-    run.write = master_process and not ckpt_io.holds_run(out_dir)
-elif init_from != 'resume' and ckpt_io.holds_run(out_dir) and not overwrite:
+    run.write = master_process and not run.holds_run()
+elif init_from != 'resume' and run.holds_run() and not overwrite:
     fail(f"{out_dir}/ already holds a run; continue it with --init_from=resume, "
          f"or pick another --out_dir, or pass --overwrite=True to replace it")
 
 # -----------------------------------------------------------------------------
-# the device and the data
+# the device, the data, the model and the optimizer
 data_dir = os.path.join('data', dataset)
 try:
     device = pick_device(device)
     if ddp:  # this rank's device and its share of the accumulation steps
-        device, gradient_accumulation_steps = join_torchrun(device, gradient_accumulation_steps,
-                                                            world_size)
+        device, gradient_accumulation_steps = ckpt.join_torchrun(
+            device, gradient_accumulation_steps, world_size)
     if master_process:  # the built-in datasets are prepared on first use
-        prepare.on_first_use(dataset, data_dir)
+        ckpt.on_first_use(dataset, data_dir)
     if ddp:
         dist.barrier()  # the other ranks wait for rank 0 to prepare the data
-except ValueError as e:
-    fail(e)
-try:
-    meta = prepare.check_data(data_dir, block_size)  # every file there, whole and long enough
+    meta = ckpt.check_data(data_dir, block_size)  # every file there, whole and long enough
     if checkpoint:
-        ckpt_io.check_vocabulary(checkpoint, source, meta, data_dir)
+        ckpt.check_vocabulary(checkpoint, source, meta, data_dir)
 except ValueError as e:
     fail(e)
 cfg = replace(cfg, vocab_size=meta['vocab_size'])  # a checkpoint's: checked to be the same
-# -----------------------------------------------------------------------------
-# the data, the model and the optimizer
-device_type = 'cuda' if device.startswith('cuda') else device
+device_type = device.split(':')[0]
 lr_decay_iters = lr_decay_iters or max_iters
 torch.manual_seed(seed)
 keep_freed_cpu_memory()
-torch.backends.cuda.matmul.allow_tf32 = True
-torch.backends.cudnn.allow_tf32 = True
 dtype, ctx = autocast_for(device, dtype)
 data = {split: np.memmap(os.path.join(data_dir, f'{split}.bin'), dtype=np.uint16, mode='r')
         for split in ('train', 'val')}
@@ -187,74 +156,70 @@ batch_gen = torch.Generator().manual_seed(seed)  # draws the training batches; c
 
 
 def get_batch(split, generator=batch_gen):
-    # every rank draws the training stream whole and keeps its share: N processes see what one would
+    # every rank draws the training stream whole and keeps its share: N processes see what 1 would
     ours = generator is batch_gen
-    x, y = prepare.get_batch(data[split], block_size, batch_size, generator,
-                             draws=world_size if ours else 1, take=rank if ours else 0)
+    x, y = ckpt.get_batch(data[split], block_size, batch_size, generator,
+                          draws=world_size if ours else 1, take=rank if ours else 0)
     if device_type == 'cuda':
-        return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device,
-                                                                              non_blocking=True)
+        return (t.pin_memory().to(device, non_blocking=True) for t in (x, y))
     return x.to(device), y.to(device)
 
 
-model = GPT(cfg)
+model = fast.paths(GPT(cfg), moe_impl)  # the same weights, run by fast.py's equal paths
 if checkpoint:
-    ckpt_io.load_weights(model, checkpoint, source, quiet=not master_process)
+    ckpt.load_weights(model, checkpoint, source, quiet=not master_process)
 model.to(device)
 optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type)
 if init_from == 'resume':  # a fine-tune starts a fresh optimizer (and warmup) on the weights
     try:
-        ckpt_io.restore_state(checkpoint, source, optimizer, batch_gen)
+        ckpt.restore_state(checkpoint, source, optimizer, batch_gen)
     except ValueError as e:
         fail(e)
 run.claim()  # out_dir, held by this run until it exits (rank 0, when it writes there)
 scaler = torch.amp.GradScaler(device_type, enabled=dtype == 'float16')  # fp16: loss scaling
-raw_model, cfg, routers = model, model.config, model.routers()  # no routers: a dense GPT
+raw_model, routers = model, model.routers()  # no routers: a dense GPT
 if compile:
     model = torch.compile(model)
 if ddp:  # the routers' buffers (batchtopk's threshold, relu's lambda) are averaged instead
     model = DDP(model, device_ids=[device] if device_type == 'cuda' else None,
                 broadcast_buffers=False)
+    run.on_lost_peer()
 if master_process:
     print(start_line(raw_model, device, dtype, batch_size, gradient_accumulation_steps,
                      world_size))
-if ddp:
-    stopper.on_lost_peer()
 
 
 # -----------------------------------------------------------------------------
 # evaluation, learning rate, each layer's k, checkpoints
 @torch.no_grad()
 def evaluate(split, online=None, entropy_bins=10):
-    """Mean cross-entropy and aux loss over eval_iters fixed batches of a split, and the routing
-    counts the plots need (stats.routing_counts)."""
+    """Mean cross-entropy and aux loss over eval_iters fixed batches, and the routing counts."""
     gen = torch.Generator().manual_seed(int(split == 'val'))  # the same batches at every eval
     ce, aux, counts = [], [], None
     for _ in range(eval_iters):
         X, Y = get_batch(split, gen)
         with ctx:
-            logits, loss, extra = model(X, Y, online=online, fast=FAST)
+            logits, loss, extra = model(X, Y, online=online)
         ce.append(loss.item())
         aux.append(float(extra['aux_loss']))
         if extra['routing']:
             masks = torch.stack([mask for mask, _ in extra['routing']]).cpu()  # (layers, B, T, N)
-            entropy = predictive_entropy(logits).cpu()
+            entropy = predictive_entropy(logits[..., :cfg.vocab_size]).cpu()
             counts = add_counts(counts, routing_counts(masks, entropy, cfg.top_k, entropy_bins))
     summary = routing_summary(counts, eval_iters) if counts else {}
     return dict(ce=float(np.mean(ce)), aux=float(np.mean(aux)), **summary), counts
 
 
 def estimate_loss():
-    """Train/val losses and per-layer routing statistics on val, with the routers' state. A router
-    with an online rule (seqtopk) is measured offline and causally (online): offline, a token's
-    expert count depends on later tokens, so the causal number is the one generation reaches."""
+    """Train/val losses, per-layer routing on val and the routers' state. A router with an online
+    rule is measured offline and causally: the causal number is what generation reaches."""
     model.eval()
     losses = {'train': evaluate('train')[0]}
     losses['val'], counts = evaluate('val')
     if any(r.online for r in routers):  # 'val' is whichever of the two the model trains with
-        other = 'val_offline' if cfg.seq_causal else 'val_causal'
-        losses['val_causal' if cfg.seq_causal else 'val_offline'] = losses['val']
-        losses[other] = evaluate('val', online=not cfg.seq_causal)[0]
+        trained, other = ('val_causal', 'val_offline') if cfg.seq_causal else (
+            'val_offline', 'val_causal')
+        losses[trained], losses[other] = losses['val'], evaluate('val', not cfg.seq_causal)[0]
     layers = [dict(routing_stats(counts['hist'][i], counts['load'][i]),
                    **{name: value.tolist() for name, value in r.named_buffers()})
               for i, r in enumerate(routers)]
@@ -272,8 +237,7 @@ def get_lr(it):
 
 
 def layer_ks(step):
-    """Each MoE layer's k this step: a function of (seed, step) alone, the same on every rank
-    and micro-step, so a resumed run redraws what the straight run drew."""
+    """Each MoE layer's k this step, a function of (seed, step): a resumed run redraws them."""
     if k_schedule:
         return [at_step(schedule(k_schedule), step)] * len(routers)
     return step_ks(cfg, len(routers), torch.Generator().manual_seed(seed * 1_000_003 + step))
@@ -288,7 +252,7 @@ def checkpoint_now():
 
 
 def evaluate_and_save():
-    """Rank 0: the losses and routing, a log record, and the checkpoint when val improved."""
+    """Rank 0: the losses, a log record, and the checkpoint when val improved."""
     global best_val_loss, losses, layers
     losses, layers = estimate_loss()
     print(eval_line(iter_num, losses, layers, spend.per_token()))
@@ -297,32 +261,27 @@ def evaluate_and_save():
                  **{f'{split}_{k}': v for split, d in losses.items() for k, v in d.items()}))
     improved = losses['val']['ce'] < best_val_loss
     best_val_loss = min(best_val_loss, losses['val']['ce'])
-    if iter_num > 0 and not eval_only and (improved or always_save_checkpoint or
-                                           iter_num >= max_iters):
+    if iter_num > 0 and not eval_only and (
+            improved or always_save_checkpoint or iter_num >= max_iters):
         run.save(checkpoint_now())
-
-
-def average_router_state():  # under DDP: every rank routes alike
-    for buffer in (b for r in routers for b in r.buffers()) if ddp else ():
-        dist.all_reduce(buffer, op=dist.ReduceOp.SUM)
-        buffer.div_(world_size)
 
 
 # -----------------------------------------------------------------------------
 # the training loop (rank 0 evaluates, logs and saves)
+code = ckpt.code_version() if master_process else None  # the commit this process runs
 if init_from != 'resume' or eval_only:  # a new run, or an evaluation in a folder of its own
-    run.new_log()  # the run this one replaces moved out of the way first (out_dir/replaced/)
-    run.log(dict(event='start', eval_only=eval_only, config=config, model_args=asdict(cfg), run_id=run_id,
-                 from_run=from_run, code=code, params=raw_model.num_params(),
+    run.new_log()  # the run this one replaces is moved out of the way first
+    run.log(dict(event='start', eval_only=eval_only, config=config, model_args=asdict(cfg),
+                 run_id=run_id, from_run=from_run, code=code, params=raw_model.num_params(),
                  active_params=raw_model.num_params(active=True)))
-    stopper.write_failed()
-stopper.listen()
+    run.write_failed()
+run.listen()
 if eval_only and any(r.needs_calibration() for r in routers):
     # e.g. batchtopk on a checkpoint not trained with it: its threshold set from training batches
     calibration = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for _ in range(eval_iters):
-            model(*get_batch('train', calibration), fast=FAST)
+            model(*get_batch('train', calibration))
             raw_model.after_step()  # the routers' step rule: here batchtopk's threshold
 spend = ExpertSpend(checkpoint if init_from == 'resume' else {}, device)  # experts per token
 batch_state = batch_gen.get_state()  # the state that draws X, Y: a resumed run redraws them
@@ -333,7 +292,7 @@ while True:
     for group in optimizer.param_groups:
         group['lr'] = lr
     if iter_num % eval_interval == 0 or iter_num >= max_iters or eval_only:
-        stopper.check_weights(raw_model, iter_num)
+        run.check_weights(raw_model, iter_num)
         if master_process:
             evaluate_and_save()
     if iter_num >= max_iters or eval_only:
@@ -344,7 +303,7 @@ while True:
         if ddp:  # gradients are all-reduced on the last micro-step only
             model.require_backward_grad_sync = micro_step == gradient_accumulation_steps - 1
         with ctx:
-            _, ce, extra = model(X, Y, moe_ks=moe_ks, fast=FAST)
+            _, ce, extra = model(X, Y, moe_ks=moe_ks)
             loss = (ce + extra['aux_loss']) / gradient_accumulation_steps
         step_loss = step_loss + loss.detach()
         spend.add(extra['routing'], X.numel())
@@ -353,11 +312,13 @@ while True:
         scaler.scale(loss).backward()
     scaler.unscale_(optimizer)  # a no-op without fp16 loss scaling
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip or float('inf'))
-    stopping = stopper.check_step(iter_num + 1, step_loss, grad_norm, scaler.is_enabled())
+    stopping = run.check_step(iter_num + 1, step_loss, grad_norm, scaler.is_enabled())
     scaler.step(optimizer)
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
-    average_router_state()
+    for buffer in (b for r in routers for b in r.buffers()) if ddp else ():
+        dist.all_reduce(buffer)  # their mean: under DDP every rank routes alike
+        buffer.div_(world_size)
     raw_model.after_step()  # the routers' rule after each step, e.g. relu's lambda
     iter_num += 1
 
@@ -368,9 +329,9 @@ while True:
         run.log(dict(event='train', iter=iter_num, ce=ce.item(), aux=aux, lr=lr, ms_per_iter=ms,
                      experts=spend.since_last_log()))
     if stopping:  # preempted (SIGTERM) or Ctrl-C (SIGINT): keep everything, exit cleanly
-        stopper.after_signal(raw_model, iter_num, checkpoint_now)
+        run.after_signal(raw_model, iter_num, checkpoint_now)
 
-stopper.write_failed()  # the final save or log (rank 0)
+run.write_failed()  # the final save or log (rank 0)
 if ddp:
     dist.destroy_process_group()
 if master_process:  # the run's summary, also the last line of log.jsonl (sweep.py reads it)

@@ -1,10 +1,9 @@
-# A larger sweep for one GPU with the network: TinyStories (GPT-2 BPE), 64 experts, K = 8, 4, 2,
-# three seeds, every router (router.ROUTERS, topk first) and the dense rows. Prepare the data once
-# (it needs the network, or the dataset in the local `datasets` cache):
-#   python prepare.py --dataset=roneneldan/TinyStories
-#   python sweep.py config/sweep_gpu_tinystories.py
+# One GPU: TinyStories (GPT-2 BPE), every router and the dense rows. Prepare its data once, with
+# the network (or the dataset in the local `datasets` cache):
+#   python prepare.py --source=roneneldan/TinyStories
+#   python experiments/sweep.py experiments/config/sweep_gpu_tinystories.py
 import router as _router  # noqa: E402 (names starting with _ are not settings)
-out_root = 'sweeps/gpu_tinystories'
+out_dir = 'sweeps/gpu_tinystories'
 routers = ','.join(_router.ROUTERS)
 top_ks = '8,4,2'
 seeds = '1,2,3'

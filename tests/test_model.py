@@ -4,16 +4,17 @@ grouped kernel equal from any routing mask, static shapes for the exact budgets,
 gradients, bf16 experts, whole-model compile, and on a GPU (skipped without one) the same in CUDA.
 Run: python -m pytest -q
 """
-from types import SimpleNamespace
+import functools
 
 import pytest
 import torch
 
 import fast
-from conftest import counting_batches, needs_cuda, tiny_config, train_step
-from experts import moe_loop, moe_sorted
-from fast import FAST
-from model import GPT, rotate
+import sample
+from cache import Cache
+from conftest import counting_batches, needs_cuda, tiny_config, train_step, trained_tiny
+from fast import moe_sorted
+from model import GPT, moe_loop, rotate
 from router import ROUTERS, step_ks, topk_mask
 
 
@@ -75,13 +76,31 @@ def test_every_way_to_run_the_experts_passes_gradcheck_in_float64(way):
         assert torch.autograd.gradcheck(lambda x, w, fc, proj: run(x, mask, w, fc, proj), inputs)
 
 
+@pytest.mark.parametrize("way", ['textbook', 'sorted'])
+def test_under_bf16_each_token_s_expert_outputs_are_summed_in_fp32(way):
+    # every expert's output is bf16; their sum is kept in fp32 and rounded once, not per addition
+    g = torch.Generator().manual_seed(5)
+    M, C, H, N = 64, 32, 32, 16
+    mask = torch.ones(M, N, dtype=torch.bool)  # every token takes every expert: 16 additions
+    gates = torch.rand(M, N, generator=g).bfloat16()
+    x = torch.randn(M, C, generator=g).bfloat16()
+    w_fc, w_proj = torch.randn(N, C, H, generator=g) * 0.3, torch.randn(N, H, C, generator=g) * 0.3
+    parts = [((torch.nn.functional.gelu(x @ w_fc[i].bfloat16()) * gates[:, i, None])
+              @ w_proj[i].bfloat16()) for i in range(N)]  # (M, C) bf16 each, as the loop runs them
+    in_fp32 = torch.stack([p.float() for p in parts]).sum(0).bfloat16()
+    in_bf16 = functools.reduce(torch.add, parts)
+    assert not torch.equal(in_fp32, in_bf16)  # the two sums differ here
+    assert torch.equal(EXPERTS[way](x, mask, gates, w_fc, w_proj), in_fp32)
+
+
 def test_a_float64_model_trains_a_step():
     torch.manual_seed(0)
-    model = GPT(tiny_config('seqtopk')).double()  # float64 takes the loop kernel: torch._grouped_mm has none
+    # float64: the loop, torch's kernel has none
+    model = fast.paths(GPT(tiny_config('seqtopk')).double())
     x, y = next(counting_batches())
     before = [p.detach().clone() for p in model.parameters()]
     opt = model.configure_optimizers(0.0, 1e-3, (0.9, 0.99), 'cpu')
-    _, ce, aux = model(x, y, fast=FAST)
+    _, ce, aux = model(x, y)
     (ce + aux['aux_loss']).backward()
     opt.step()
     assert ce.dtype == torch.float64 and torch.isfinite(ce)
@@ -90,15 +109,18 @@ def test_a_float64_model_trains_a_step():
 
 def test_with_rope_a_query_s_score_for_a_key_depends_only_on_how_far_back_the_key_is():
     g = torch.Generator().manual_seed(0)
-    q, k = torch.randn(1, 1, 1, 16, generator=g), torch.randn(1, 1, 1, 16, generator=g)  # (B, nh, T, hs)
+    # (B, nh, T, hs)
+    q, k = torch.randn(1, 1, 1, 16, generator=g), torch.randn(1, 1, 1, 16, generator=g)
 
     def score(i, j):  # query at position i, key at position j
         return (rotate(q, torch.tensor([i])) * rotate(k, torch.tensor([j]))).sum().item()
 
-    assert score(5, 3) == pytest.approx(score(2, 0), abs=1e-5) == pytest.approx(score(105, 103), abs=1e-4)
+    assert (score(5, 3) == pytest.approx(score(2, 0), abs=1e-5)
+            == pytest.approx(score(105, 103), abs=1e-4))
     assert score(5, 3) != pytest.approx(score(5, 4), abs=1e-3)  # another distance, another score
     assert torch.equal(rotate(q, torch.tensor([0])), q)  # position 0 is not turned
-    assert torch.linalg.norm(rotate(q, torch.tensor([7]))) == pytest.approx(torch.linalg.norm(q).item())
+    assert (torch.linalg.norm(rotate(q, torch.tensor([7])))
+            == pytest.approx(torch.linalg.norm(q).item()))
 
 
 def test_an_expert_width_the_grouped_kernel_cannot_take_falls_back_to_a_matmul_per_expert():
@@ -106,117 +128,111 @@ def test_an_expert_width_the_grouped_kernel_cannot_take_falls_back_to_a_matmul_p
     M, C, H, N = 10, 16, 5, 3  # rows of 5 floats are not 16-byte aligned
     mask = torch.rand(M, N, generator=g) < 0.5
     weights = torch.rand(M, N, generator=g) * mask
-    x, w_fc, w_proj = torch.randn(M, C, generator=g), torch.randn(N, C, H, generator=g), torch.randn(N, H, C, generator=g)
+    x, w_fc, w_proj = (torch.randn(M, C, generator=g), torch.randn(N, C, H, generator=g),
+                       torch.randn(N, H, C, generator=g))
     torch.testing.assert_close(EXPERTS['grouped'](x, mask, weights, w_fc, w_proj),
                                naive_moe(x, mask, weights, w_fc, w_proj), rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("slots", [3, 4])
 def test_a_decoding_step_s_experts_equal_the_reference(slots):
-    # each pair's expert weights gathered; with slots, every token runs `slots` pairs, the experts it
-    # takes and then its first again with a zero gate
+    # each pair's expert weights gathered; with slots, every token runs `slots` pairs, the experts
+    # it takes and then its first again with a zero gate
     g = torch.Generator().manual_seed(2)
     M, C, H, N = 3, 16, 12, 8
     mask = torch.zeros(M, N, dtype=torch.bool)
     mask[0, [1, 6, 2]] = mask[1, 6] = True  # 3 experts, 1 expert, and none at all
     weights = torch.rand(M, N, generator=g) * mask
-    x, w_fc, w_proj = torch.randn(M, C, generator=g), torch.randn(N, C, H, generator=g), torch.randn(N, H, C, generator=g)
+    x, w_fc, w_proj = (torch.randn(M, C, generator=g), torch.randn(N, C, H, generator=g),
+                       torch.randn(N, H, C, generator=g))
     with torch.inference_mode():
-        out = fast.slot_experts(x, *fast.slot_pairs(mask, weights, slots), w_fc, w_proj)
+        out = sample.slot_experts(x, *sample.slot_pairs(mask, weights, slots), w_fc, w_proj)
     torch.testing.assert_close(out, naive_moe(x, mask, weights, w_fc, w_proj), rtol=1e-4, atol=1e-5)
     assert out[2].abs().max() == 0
 
 
-@pytest.mark.parametrize("cpu_op", [True, False])
-@pytest.mark.parametrize("top_k,most_taken", [(4, 3), (2, 3), (2, 2), (3, 3)])
-def test_the_compiled_cpu_step_s_experts_equal_the_reference(top_k, most_taken, cpu_op, monkeypatch):
-    # fast.py: the C++ op runs only the slots taken; without it the slots past top_k run only when
-    # a token takes one (torch.cond): either way they add up as the reference does
-    if cpu_op and not fast.built_cpu_kernel():
-        pytest.skip("experts_cpu.cpp cannot be built here (no C++ compiler or ninja)")
-    monkeypatch.setattr(fast, 'cpu_kernel', lambda: cpu_op)
-    g = torch.Generator().manual_seed(4)
-    M, C, H, N = 3, 16, 12, 8
-    mask = torch.zeros(M, N, dtype=torch.bool)
-    mask[0, [1, 6, 2][:most_taken]] = mask[1, 6] = True  # 3 (or 2) experts, 1 expert, and none at all
-    weights = torch.rand(M, N, generator=g) * mask
-    x, w_fc, w_proj = torch.randn(M, C, generator=g), torch.randn(N, C, H, generator=g), torch.randn(N, H, C, generator=g)
-    moe = SimpleNamespace(w_fc=w_fc, w_proj=w_proj, config=SimpleNamespace(top_k=top_k))
-    with torch.inference_mode():
-        out = fast.decode_experts(x, mask, weights, moe, True, slots=4, cpu=True)
-    torch.testing.assert_close(out, naive_moe(x, mask, weights, w_fc, w_proj), rtol=1e-4, atol=1e-5)
-    assert out[2].abs().max() == 0
+@pytest.mark.parametrize("router", ["topk", "seqtopk", "windowtopk", "relu"])
+def test_a_decoding_step_of_every_router_equals_its_eager_one(router):
+    # the slots of the routers with a bound, the counted pairs of those without
+    model = trained_tiny(router)
+    prompt = next(counting_batches(seed=3, B=2))[0][:, :12]
+    step = fast.paths(model, experts=lambda r: functools.partial(sample.decode_experts, router=r))
+    steps = {}
+    for name, m in (('eager', model), ('fast', step)):
+        with torch.inference_mode():
+            cache = Cache(model.config)
+            m(prompt[:, :-1], cache=cache)
+            steps[name] = m.decode_token(prompt[:, -1:], cache)
+    torch.testing.assert_close(steps['fast'][0], steps['eager'][0], rtol=1e-4, atol=1e-5)
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(steps['fast'][1], steps['eager'][1]))
 
 
-def test_where_the_cpu_op_cannot_be_built_the_step_says_so_once_and_keeps_inductors_slots(monkeypatch):
-    import subprocess
-    from torch.utils import cpp_extension
-
-    def no_compiler(*args, **kwargs):
-        raise subprocess.CalledProcessError(1, ['ninja', '-v'])
-    monkeypatch.setattr(cpp_extension, 'load', no_compiler)
-    with pytest.warns(UserWarning, match="experts_cpu.cpp could not be built .*runs inductor's kernel"):
-        assert fast.built_cpu_kernel.__wrapped__() is False  # the uncached build, as on a first call
-
-
-def test_the_cpu_op_s_build_tools_load_only_when_a_compiled_cpu_step_needs_them():
-    # a CUDA build of torch on a machine without a GPU warns on importing them: a script's one error line
-    # (or its first output) must not come after that warning
+def test_the_model_s_files_import_neither_the_fast_paths_nor_the_scripts_tools():
+    # a plain reading: model.py, router.py and cache.py run alone; and the scripts load the C++
+    # build tools of torch (which warn on a CUDA build without a GPU) only if they compile
     import subprocess
     import sys
     from conftest import REPO
-    probe = "import sys, model, experts, fast, prepare, sample, bench; print('torch.utils.cpp_extension' in sys.modules)"
-    result = subprocess.run([sys.executable, '-c', probe], cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert result.stdout.strip() == 'False', result.stderr
+    probe = ("import sys, model, router, cache; print(sorted(m for m in ('fast', 'configurator', "
+             "'checkpoint', 'stats') if m in sys.modules)); import fast, prepare, sample, bench; "
+             "print('torch.utils.cpp_extension' in sys.modules)")
+    result = subprocess.run([sys.executable, '-c', probe], cwd=REPO, capture_output=True, text=True,
+                            timeout=120)
+    assert result.stdout.split('\n')[:2] == ['[]', 'False'], result.stderr
 
 
 @pytest.mark.parametrize("router", ["topk", "mrltopk", "seqtopk", "batchtopk"])
-def test_the_exact_budgets_dispatch_with_static_shapes_equal_to_the_dynamic_path(router, monkeypatch):
-    from router import ROUTERS
+def test_the_exact_budgets_dispatch_with_static_shapes_equal_to_the_dynamic_path(
+        router, monkeypatch):
     torch.manual_seed(0)
-    model = GPT(tiny_config(router))
+    model = fast.paths(GPT(tiny_config(router)))
     x, y = next(counting_batches(seed=7))
     # topk, mrltopk, seqtopk and batchtopk in training know their B*T*k pairs before routing ...
-    assert [b.ffn.router.n_pairs(x.numel(), False) for b in model.transformer.h] == [x.numel() * 2] * 2
-    static = train_step(model, x, y, fast=FAST)
+    assert [fast.exact_pairs(r, x.numel()) for r in model.routers()] == [x.numel() * 2] * 2
+    static = train_step(model, x, y)
     # ... and give the same loss and gradients as the path that counts the pairs (relu's)
-    monkeypatch.setattr(ROUTERS[router], 'n_pairs', lambda self, n_tokens, online: None)
-    dynamic = train_step(model, x, y, fast=FAST)
+    monkeypatch.setattr(fast, 'exact_pairs', lambda router, n_tokens: None)
+    dynamic = train_step(model, x, y)
     assert torch.equal(static[0], dynamic[0])
     for a, b in zip(static[1], dynamic[1]):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("router", ["topk", "mrltopk", "seqtopk", "batchtopk"])
-def test_a_training_step_of_the_exact_budgets_never_waits_on_a_data_dependent_size(router, monkeypatch):
+def test_a_training_step_of_the_exact_budgets_never_waits_on_a_data_dependent_size(
+        router, monkeypatch):
     from torch.profiler import profile
     torch.manual_seed(0)
-    model = GPT(tiny_config(router))
+    model = fast.paths(GPT(tiny_config(router)))
     x, y = next(counting_batches(seed=7))
-    train_step(model, x, y, fast=FAST)
+    train_step(model, x, y)
     moe_ks = step_ks(model.config, 2)  # drawn outside the step, as train.py draws them
     read = []  # tensors read into Python lists: no aten op records it, so it is caught here
     tolist = torch.Tensor.tolist
     monkeypatch.setattr(torch.Tensor, 'tolist', lambda t: read.append(t.shape) or tolist(t))
     with profile() as prof:
-        train_step(model, x, y, fast=FAST, moe_ks=moe_ks)
+        train_step(model, x, y, moe_ks=moe_ks)
     def caller(event):
         return event.cpu_parent.name if event.cpu_parent is not None else None
-    # no nonzero (nonzero_static, given the size, never asks), no .item() or int() (the CPU grouped kernel
-    # reads its offsets itself; CUDA's does that on the device): on a GPU the step never waits for the host
+    # no nonzero (nonzero_static, given the size, never asks), no .item() or int() (the CPU
+    # grouped kernel reads its offsets itself; CUDA's does that on the device): on a GPU the step
+    # never waits for the host
     host_reads = [e.name for e in prof.events() if e.name in ('aten::nonzero', 'aten::item',
                                                               'aten::_local_scalar_dense')
                   and caller(e) not in ('aten::_grouped_mm', 'aten::item')]
     assert host_reads == [] and read == []
-    # and every expert matmul is the grouped kernel: 2 forward, 2 input and 2 weight gradients per layer
+    # and every expert matmul is the grouped kernel: 2 forward, 2 input and 2 weight gradients per
+    # layer
     assert sum(e.name == 'aten::_grouped_mm' for e in prof.events()) == 6 * model.config.n_layer
 
 
-@pytest.mark.parametrize("paths", [None, FAST], ids=['plain', 'fast'])
-def test_under_bf16_autocast_the_experts_run_in_bf16_and_match_fp32(paths):
+@pytest.mark.parametrize("way", ['plain', 'fast'])
+def test_under_bf16_autocast_the_experts_run_in_bf16_and_match_fp32(way):
     from model import MoE
     torch.manual_seed(0)
     moe = MoE(tiny_config('seqtopk', n_exp=8, top_k=2, exp_dim=64))
+    if way == 'fast':
+        moe.experts = functools.partial(fast.sorted_experts, router=moe.router)
     torch.nn.init.normal_(moe.w_fc, std=0.1)
     torch.nn.init.normal_(moe.w_proj, std=0.1)
     x = torch.randn(4, 32, 32)
@@ -224,7 +240,7 @@ def test_under_bf16_autocast_the_experts_run_in_bf16_and_match_fp32(paths):
     for dtype in (torch.float32, torch.bfloat16):
         moe.zero_grad()
         with torch.autocast('cpu', dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
-            y, _, (mask, scores) = moe(x, fast=paths)
+            y, _, (mask, scores) = moe(x)
         assert y.dtype == dtype and scores.dtype == torch.float32  # the router stays fp32
         y.float().square().sum().backward()
         outputs.append((y.float(), mask, moe.w_fc.grad.clone(), moe.w_proj.grad.clone()))
@@ -239,22 +255,25 @@ def test_the_grouped_kernel_runs_only_where_torch_has_one_without_a_host_sync():
     from fast import grouped_kernel_ok, grouped_kernel_runs
     w = torch.zeros(4, 16, 16)
     assert grouped_kernel_ok(w) and grouped_kernel_ok(w.bfloat16())  # CPU: fp32, bf16, fp16
-    assert not grouped_kernel_ok(w.double())  # float64: experts.expert_loop
+    assert not grouped_kernel_ok(w.double())  # float64: fast.expert_loop
     assert not grouped_kernel_ok(torch.zeros(4, 16, 3))  # rows of 12 bytes: not 16-byte aligned
     # CUDA: torch's CUTLASS kernel only in bf16 on SM 9.x and 10.x; elsewhere its fallback syncs
     bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
     assert grouped_kernel_runs('cuda', bf16, (9, 0)) and grouped_kernel_runs('cuda', bf16, (10, 0))
     for capability in ((7, 5), (8, 0), (8, 6), (8, 9), (12, 0)):  # T4, A100, RTX 30, L4, RTX 50
         assert not grouped_kernel_runs('cuda', bf16, capability)
-    assert not grouped_kernel_runs('cuda', fp16, (9, 0)) and not grouped_kernel_runs('cuda', fp32, (9, 0))
+    assert (not grouped_kernel_runs('cuda', fp16, (9, 0))
+            and not grouped_kernel_runs('cuda', fp32, (9, 0)))
     assert not grouped_kernel_runs('mps', fp32)
 
 
-def test_an_expert_without_tokens_gets_a_zero_weight_gradient_whatever_the_kernel_returns(monkeypatch):
+def test_an_expert_without_tokens_gets_a_zero_weight_gradient_whatever_the_kernel_returns(
+        monkeypatch):
     x, grad = torch.randn(6, 16), torch.randn(6, 16)
     offs = torch.tensor([2, 2, 6, 6], dtype=torch.int32)  # experts 1 and 3 have no rows
     want = fast.grouped_mm_weight_grad(x, grad, offs)
-    monkeypatch.setattr(torch, '_grouped_mm', lambda a, b, offs: torch.ones(4, 16, 16))  # B200's bug
+    monkeypatch.setattr(torch, '_grouped_mm',
+                        lambda a, b, offs: torch.ones(4, 16, 16))  # B200's bug
     got = fast.grouped_mm_weight_grad(x, grad, offs)
     assert (got[1] == 0).all() and (got[3] == 0).all() and (want[1] == 0).all()
 
@@ -263,11 +282,12 @@ def test_an_expert_without_tokens_gets_a_zero_weight_gradient_whatever_the_kerne
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_training_forward_compiles_to_one_graph_with_no_break(router, dtype):
     torch._dynamo.reset()
-    model = GPT(tiny_config(router))
+    model = fast.paths(GPT(tiny_config(router)))
     x, y = next(counting_batches())
     with torch.autocast('cpu', dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
-        explanation = torch._dynamo.explain(model)(x, y, fast=FAST)
-    assert explanation.graph_break_count == 0 and explanation.graph_count == 1, explanation.break_reasons
+        explanation = torch._dynamo.explain(model)(x, y)
+    assert (explanation.graph_break_count == 0
+            and explanation.graph_count == 1), explanation.break_reasons
 
 
 @needs_cuda
@@ -280,7 +300,8 @@ def test_cuda_bf16_dispatch_equals_the_fp32_reference_forward_and_gradient():
               torch.randn(N, H, C, generator=g) * 0.3]
     results = []
     for device, dtype in (('cpu', torch.float32), ('cuda', torch.bfloat16)):
-        leaves = [p.to(device, dtype).detach().requires_grad_() for p in params]  # fresh leaves each pass
+        # fresh leaves each pass
+        leaves = [p.to(device, dtype).detach().requires_grad_() for p in params]
         out = EXPERTS['grouped'](leaves[0], mask.to(device), weights.to(device, dtype), *leaves[1:],
                                  n_pairs=M * 2)
         out.float().square().sum().backward()
@@ -297,13 +318,13 @@ def test_cuda_bf16_training_step_compiles_to_one_graph_and_never_syncs(router):
         pytest.skip("torch's grouped kernel syncs on this GPU (README: which GPUs sync)")
     torch._dynamo.reset()
     torch.manual_seed(0)
-    model = GPT(tiny_config(router)).cuda()
+    model = fast.paths(GPT(tiny_config(router)).cuda())
     x, y = (t.cuda() for t in next(counting_batches()))
     compiled = torch.compile(model, fullgraph=True)  # a graph break raises
 
     def step():  # the compiled forward and its compiled backward
         model.zero_grad(set_to_none=True)
-        _, ce, aux = compiled(x, y, fast=FAST)
+        _, ce, aux = compiled(x, y)
         (ce + aux['aux_loss']).backward()
     with torch.autocast('cuda', dtype=torch.bfloat16):
         step()  # compiles
@@ -315,22 +336,20 @@ def test_cuda_bf16_training_step_compiles_to_one_graph_and_never_syncs(router):
             torch.cuda.set_sync_debug_mode(0)
 
 
-def test_a_compiled_mrltopk_forward_draws_its_ks_in_any_model_compiled_after_another():
-    # the second model's layer count differs from the first's, so torch makes it symbolic in the recompiled
-    # forward, where randint cannot take a symbolic size (bench.py compiles its default, then its larger model)
+def test_a_compiled_mrltopk_forward_routes_each_layer_with_the_k_the_script_drew():
+    # the k's are drawn outside the model (train.py: router.step_ks per step), compiled or not
     torch._dynamo.reset()
     x, y = next(counting_batches())
-    for n_layer in (2, 3):
-        torch.manual_seed(n_layer)
-        model = GPT(tiny_config('mrltopk', n_exp=8, top_k=8, n_layer=n_layer))
-        runs = []
-        for forward in (model, torch.compile(model)):
-            torch.manual_seed(10 + n_layer)  # the same draws for the eager and the compiled forward
-            _, ce, aux = forward(x, y, fast=FAST)
-            runs.append((ce, [int(mask.sum(-1).unique()) for mask, _ in aux['routing']]))
-        (eager, eager_ks), (compiled, compiled_ks) = runs
-        assert compiled_ks == eager_ks and set(eager_ks) <= {2, 4, 8}  # each layer its drawn k
-        assert compiled.item() == pytest.approx(eager.item(), rel=1e-5)
+    torch.manual_seed(0)
+    model = fast.paths(GPT(tiny_config('mrltopk', n_exp=8, top_k=8, n_layer=3)))
+    compiled = torch.compile(model)
+    for seed in (1, 2):
+        ks = step_ks(model.config, 3, torch.Generator().manual_seed(seed))
+        runs = [forward(x, y, moe_ks=ks) for forward in (model, compiled)]
+        for _, ce, aux in runs:
+            assert [int(mask.sum(-1).unique()) for mask, _ in aux['routing']] == ks
+        assert runs[1][1].item() == pytest.approx(runs[0][1].item(), rel=1e-5)
+    assert set(ks) <= {2, 4, 8}
 
 
 @pytest.mark.parametrize("router", ROUTERS)
@@ -339,22 +358,34 @@ def test_torch_compile_trains_with_every_router_like_the_plain_eager_model(route
     model = GPT(tiny_config(router))
     x, y = next(counting_batches())
     _, eager_ce, _ = model(x, y)  # every idea in its plain form
-    _, ce, aux = torch.compile(model)(x, y, fast=FAST)
+    _, ce, aux = torch.compile(fast.paths(model))(x, y)
     (ce + aux['aux_loss']).backward()
     assert ce.item() == pytest.approx(eager_ce.item(), rel=1e-4)
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
 
 
 @pytest.mark.parametrize("router", ROUTERS)
-@pytest.mark.parametrize("paths", [None, FAST], ids=['plain', 'fast'])
-def test_a_nan_in_the_router_s_input_gives_a_nan_loss_never_an_error(router, paths):
+@pytest.mark.parametrize("way", ['plain', 'fast'])
+def test_a_nan_in_the_router_s_input_gives_a_nan_loss_never_an_error(router, way):
     # what train.py's divergence check then stops on, with its one line, whatever the router
     torch.manual_seed(0)
     model = GPT(tiny_config(router))
     x, y = next(counting_batches())
     with torch.no_grad():
         model.transformer.wte.weight[x[0, 3]] = float('nan')  # one token's embedding
-    _, ce, aux = model(x, y, fast=paths)
+    _, ce, aux = (fast.paths(model) if way == 'fast' else model)(x, y)
     assert torch.isnan(ce)
     if router in ('topk', 'seqtopk', 'batchtopk', 'mrltopk'):  # the exact budgets stay exact
-        assert all(int(mask.sum()) == x.numel() * model.routers()[0].k for mask, _ in aux['routing'])
+        assert all(int(mask.sum()) == x.numel() * model.routers()[0].k
+                   for mask, _ in aux['routing'])
+
+
+def test_a_word_piece_vocabulary_is_padded_to_a_multiple_of_64_and_never_sampled():
+    # GPT-2's 50257 ids: the output layer runs 50304 rows (aligned); generation sees 50257 logits
+    model = GPT(tiny_config('topk', vocab_size=50257)).eval()
+    assert model.lm_head.weight.shape[0] == model.transformer.wte.weight.shape[0] == 50304
+    idx = torch.randint(0, 50257, (1, 4), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert model(idx)[0].shape == (1, 1, 50257)
+        assert model(idx, idx)[0].shape == (1, 4, 50304)
+    assert GPT(tiny_config('topk', vocab_size=76)).lm_head.weight.shape[0] == 76  # characters

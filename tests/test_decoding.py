@@ -10,18 +10,20 @@ import pytest
 import torch
 
 import fast
+import sample
 from conftest import counting_batches, needs_cuda, tiny_config, trained_tiny
 from cache import Cache
 from model import GPT
-from fast import FAST, compiled_decode, dealt
+from sample import compiled_decode, generate
 from router import ROUTERS, expert_cache_rows, online_seqtopk_token
 
 
 # -----------------------------------------------------------------------------
 # the caches
 
-@pytest.mark.parametrize("router,kw", [("seqtopk", {}), ("seqtopk", {'seq_budget': 'strict'}), ("topk", {}),
-                                       ("mrltopk", {}), ("batchtopk", {}), ("relu", {})])
+@pytest.mark.parametrize("router,kw", [("seqtopk", {}), ("seqtopk", {'seq_budget': 'strict'}),
+                                       ("topk", {}), ("mrltopk", {}), ("batchtopk", {}),
+                                       ("relu", {}), ("windowtopk", {})])
 def test_the_expert_cache_routes_decoding_exactly_like_the_causal_prefix_rule(router, kw):
     model = trained_tiny(router, **kw)
     seq = next(counting_batches(seed=3, B=2))[0][:, :24]
@@ -31,12 +33,14 @@ def test_the_expert_cache_routes_decoding_exactly_like_the_causal_prefix_rule(ro
     steps = [model(seq[:, :6], seq[:, :6], cache=cache)]  # the prompt
     steps += [model(seq[:, m:m + 1], seq[:, m:m + 1], cache=cache) for m in range(6, 24)]
     for layer, (mask_tf, _) in enumerate(tf['routing']):
-        assert torch.equal(torch.cat([aux['routing'][layer][0] for _, _, aux in steps], dim=1), mask_tf)
+        assert torch.equal(torch.cat([aux['routing'][layer][0] for _, _, aux in steps], dim=1),
+                           mask_tf)
     torch.testing.assert_close(torch.cat([logits for logits, _, _ in steps], dim=1), logits_tf,
                                rtol=1e-4, atol=1e-4)
     if router == 'seqtopk':
-        # the Expert Cache holds every token's scores of rank min_k..max_k-1 (here 1..3 of 4 experts), in a
-        # buffer of block_size tokens whose unwritten slots can never score as high as a real one
+        # the Expert Cache holds every token's scores of rank min_k..max_k-1 (here 1..3 of 4
+        # experts), in a buffer of block_size tokens whose unwritten slots can never score as high
+        # as a real one
         assert cache.layers[0].expert_cache.shape == (2, 32, 3) and cache.pos.item() == 24
         assert (cache.layers[0].expert_cache[:, 24:] == float('-inf')).all()
 
@@ -44,13 +48,14 @@ def test_the_expert_cache_routes_decoding_exactly_like_the_causal_prefix_rule(ro
 def greedy(model, prompt, n, use_cache, decode=None):
     """Greedy generation, and each step's routing of its newest token (per layer, (B, N))."""
     steps = []
-    tokens = model.generate(prompt, n, temperature=0, use_cache=use_cache, decode=decode,
+    tokens = generate(model, prompt, n, temperature=0, use_cache=use_cache, decode=decode,
                             on_token=lambda routing: steps.append([m[:, -1] for m, _ in routing]))
     return tokens, steps
 
 
 @pytest.mark.parametrize("router,kw", [(r, {}) for r in ROUTERS] + [
-    ('seqtopk', {'seq_budget': 'strict'}), ('seqtopk', {'rope': False}), ('topk', {'moe_every': 0})])
+    ('seqtopk', {'seq_budget': 'strict'}), ('seqtopk', {'rope': False}),
+    ('topk', {'moe_every': 0})])
 def test_cached_generation_gives_the_recomputed_tokens_and_routing_past_the_context(router, kw):
     model = trained_tiny(router, **kw)  # block_size=32: 5 + 75 tokens start the context again twice
     prompt = torch.randint(0, 16, (2, 5), generator=torch.Generator().manual_seed(1))
@@ -90,7 +95,8 @@ def test_a_prompt_routed_jointly_takes_offline_seqtopk_then_decodes_online():
     _, _, offline = model(seq[:, :12], online=False)
     for (mask_p, _), (mask_o, _) in zip(prompt['routing'], offline['routing']):
         assert torch.equal(mask_p, mask_o)
-    assert torch.equal(cache.layers[0].spent, torch.full((2,), 12 * 2))  # exact budget on the prompt
+    # exact budget on the prompt
+    assert torch.equal(cache.layers[0].spent, torch.full((2,), 12 * 2))
     # then each token is routed by Eq. 7 against the Expert Cache: the prompt's rows, then its own
     cached = [expert_cache_rows(scores, 1, 4) for _, scores in prompt['routing']]  # max_k = 4
     alone = []
@@ -99,7 +105,8 @@ def test_a_prompt_routed_jointly_takes_offline_seqtopk_then_decodes_online():
         for layer, (mask, scores) in enumerate(step['routing']):
             want = online_seqtopk_token(scores[:, 0], cached[layer], 2, 1, 4)
             assert torch.equal(mask[:, 0], want)
-            alone.append(torch.equal(want, online_seqtopk_token(scores[:, 0], cached[layer][:, :0], 2, 1, 4)))
+            alone.append(torch.equal(want, online_seqtopk_token(scores[:, 0], cached[layer][:, :0],
+                                                                2, 1, 4)))
             cached[layer] = torch.cat([cached[layer], expert_cache_rows(scores, 1, 4)], dim=1)
     assert not all(alone)  # the cache decided: as first tokens, some would take other experts
 
@@ -108,43 +115,49 @@ def test_a_prompt_routed_jointly_takes_offline_seqtopk_then_decodes_online():
 def test_eager_generation_runs_the_plain_definitions_not_fast_py(router, monkeypatch):
     model = trained_tiny(router)
     prompt = torch.randint(0, 16, (2, 5), generator=torch.Generator().manual_seed(1))
-    with_fast = model.generate(prompt, 20, temperature=0, fast=FAST)
+    with_fast = generate(fast.paths(model), prompt, 20, temperature=0)  # the copy that runs them
 
     def refuse(*args, **kwargs):
         raise AssertionError("eager generation called fast.py")
-    for name in ('online_seqtopk_mask', 'online_mask', 'moe_experts', 'grouped_mm'):
+    for name in ('online_seqtopk_counted', 'online_mask', 'sorted_experts', 'moe_sorted',
+                 'grouped_mm'):
         monkeypatch.setattr(fast, name, refuse)
-    assert torch.equal(model.generate(prompt, 20, temperature=0), with_fast)  # the same tokens
+    assert torch.equal(generate(model, prompt, 20, temperature=0), with_fast)  # the same tokens
 
 
 @pytest.mark.parametrize("way", ["plain", "slots"])
 def test_a_bf16_decoding_step_casts_only_the_experts_it_uses_and_matches_fp32(way):
     from torch.profiler import profile
-    model = trained_tiny('topk', n_exp=8)  # n_embd = exp_dim = 32: every expert stack is (n_exp, 32, 32)
+    # n_embd = exp_dim = 32: every expert stack is (n_exp, 32, 32)
+    model = trained_tiny('topk', n_exp=8)
     prompt = next(counting_batches(seed=3, B=1))[0][:, :12]
     # the plain textbook loop, or the compiled step's slots (each pair's weights gathered), eagerly
-    paths = None if way == 'plain' else FAST._replace(experts=fast.decode_experts)
+    if way == 'slots':
+        model = fast.paths(model,
+                           experts=lambda r: functools.partial(sample.decode_experts, router=r))
     logits = {}
     for dtype in (torch.float32, torch.bfloat16):
-        with torch.inference_mode(), torch.autocast('cpu', dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+        with torch.inference_mode(), torch.autocast('cpu', dtype=torch.bfloat16,
+                                                    enabled=dtype == torch.bfloat16):
             cache = Cache(model.config)
             model(prompt, cache=cache)
             with profile(record_shapes=True) as prof:
-                logits[dtype] = model.decode_token(prompt[:, -1:], cache, fast=paths)[0].float()
+                logits[dtype] = model.decode_token(prompt[:, -1:], cache)[0].float()
     casts = [e.input_shapes[0] for e in prof.events() if e.name == 'aten::_to_copy']
     assert [8, 32, 32] not in casts  # never all 8 experts' matrices
     if way == 'slots':
         assert [2, 32, 32] in casts  # the token's top-2, gathered
     want = logits[torch.float32]
-    torch.testing.assert_close(logits[torch.bfloat16], want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
+    torch.testing.assert_close(logits[torch.bfloat16], want, rtol=2e-2,
+                               atol=2e-2 * want.abs().max().item())
 
 
 @needs_cuda
 def test_cuda_cached_generation_equals_full_recompute():
     model = trained_tiny('seqtopk').cuda()
     prompt = torch.randint(0, 16, (2, 5), generator=torch.Generator().manual_seed(1)).cuda()
-    cached = model.generate(prompt, 25, temperature=0, use_cache=True)
-    assert torch.equal(cached, model.generate(prompt, 25, temperature=0, use_cache=False))
+    cached = generate(model, prompt, 25, temperature=0, use_cache=True)
+    assert torch.equal(cached, generate(model, prompt, 25, temperature=0, use_cache=False))
 
 
 # -----------------------------------------------------------------------------
@@ -154,23 +167,28 @@ def expert_counts(routing, into):
     into.append(torch.cat([mask.sum(-1) for mask, _ in routing], dim=-1))  # (B, tokens x layers)
 
 
-# batchtopk's threshold and relu bound no token's experts: their step counts its pairs from the data, and
-# compiles to one graph all the same (compiled_decode compiles with fullgraph=True: a graph break raises)
-@pytest.mark.parametrize("router,kw", [("topk", {}), ("seqtopk", {}), ("seqtopk", {'seq_budget': 'strict'}),
-                                       ("batchtopk", {}), ("relu", {})])
+# batchtopk's threshold and relu bound no token's experts: their step counts its pairs from the
+# data, and compiles to one graph all the same (compiled_decode compiles with fullgraph=True: a
+# graph break raises)
+@pytest.mark.parametrize("router,kw", [("topk", {}), ("seqtopk", {}),
+                                       ("seqtopk", {'seq_budget': 'strict'}), ("batchtopk", {}),
+                                       ("relu", {}), ("windowtopk", {})])
 def test_compiled_decoding_gives_exactly_the_eager_tokens_and_expert_counts(router, kw):
     torch._dynamo.reset()
     model = trained_tiny(router, **kw)
     prompt = torch.randint(0, 16, (2, 5), generator=torch.Generator().manual_seed(1))
     runs = {}
-    for compile in (False, True):  # 5 + 34 tokens: past block_size=32 the cache starts again, compiled too
+    # 5 + 34 tokens: past block_size=32 the cache starts again, compiled too
+    for compile in (False, True):
         counts = []
-        tokens = model.generate(prompt, 34, temperature=0, decode=compiled_decode(model) if compile else None,
-                                on_token=lambda r: expert_counts(r, counts))
+        tokens = generate(model, prompt, 34, temperature=0,
+                          decode=compiled_decode(model) if compile else None,
+                          on_token=lambda r: expert_counts(r, counts))
         runs[compile] = tokens, counts
     (eager, eager_counts), (compiled, compiled_counts) = runs[False], runs[True]
     assert torch.equal(compiled, eager)
-    assert len(compiled_counts) == 34 and all(torch.equal(a, b) for a, b in zip(compiled_counts, eager_counts))
+    assert len(compiled_counts) == 34 and all(torch.equal(a, b)
+                                              for a, b in zip(compiled_counts, eager_counts))
 
 
 @pytest.mark.parametrize("router", ["topk", "seqtopk"])
@@ -181,19 +199,11 @@ def test_a_decoding_step_compiles_to_one_graph_with_no_break(router):
     cache = Cache(model.config)
     with torch.inference_mode():
         model(prompt, cache=cache)
-        step = functools.partial(model.decode_token, fast=FAST._replace(experts=fast.decode_experts))
-        explanation = torch._dynamo.explain(step)(prompt[:, -1:].contiguous(), cache)
-    assert explanation.graph_break_count == 0 and explanation.graph_count == 1, explanation.break_reasons
-
-
-@pytest.mark.parametrize("slots,threads", [(6, 2), (6, 4), (5, 2), (4, 2), (6, 1), (6, 8)])
-def test_the_slots_deal_the_taken_experts_evenly_to_the_threads(slots, threads):
-    order = dealt(slots, threads)
-    assert sorted(order) == list(range(slots)) and order[0] == 0  # a permutation; the best expert stays first
-    chunk = -(-slots // threads)  # a parallel loop's contiguous chunk per thread
-    for n_taken in range(1, slots + 1):  # a token takes the ranks below n_taken
-        per_thread = [sum(rank < n_taken for rank in order[i:i + chunk]) for i in range(0, slots, chunk)]
-        assert max(per_thread) - min(per_thread) <= 1
+        step = fast.paths(model,
+                          experts=lambda r: functools.partial(sample.decode_experts, router=r))
+        explanation = torch._dynamo.explain(step.decode_token)(prompt[:, -1:].contiguous(), cache)
+    assert (explanation.graph_break_count == 0
+            and explanation.graph_count == 1), explanation.break_reasons
 
 
 @pytest.mark.parametrize("router", ["topk", "seqtopk"])
@@ -201,8 +211,12 @@ def test_a_compiled_decoding_step_compiles_once_for_the_whole_generation(router)
     torch._dynamo.reset()
     model = trained_tiny(router)
     prompt = torch.randint(0, 16, (2, 5), generator=torch.Generator().manual_seed(1))
-    with torch._dynamo.config.patch(error_on_recompile=True):  # the step's graph must not depend on the context
-        model.generate(prompt, 34, temperature=0, decode=compiled_decode(model))  # past block_size: starts again
+    step, cache = compiled_decode(model), Cache(model.config)
+    # the graph must not depend on the context
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        # past block_size: the context starts again; a second generation, the same Cache
+        for _ in range(2):
+            generate(model, prompt, 34, temperature=0, decode=step, cache=cache)
 
 
 def test_compiling_the_decoding_step_leaves_the_model_as_it_was():
@@ -210,13 +224,13 @@ def test_compiling_the_decoding_step_leaves_the_model_as_it_was():
     model = trained_tiny('seqtopk')
     prompt = torch.randint(0, 16, (2, 5), generator=torch.Generator().manual_seed(1))
     before = {name: dict(vars(module)) for name, module in model.named_modules()}
-    compiled = model.generate(prompt, 10, temperature=0, decode=compiled_decode(model))
+    compiled = generate(model, prompt, 10, temperature=0, decode=compiled_decode(model))
     after = {name: dict(vars(module)) for name, module in model.named_modules()}
     assert before.keys() == after.keys()
     for name in before:  # no module attribute swapped from outside: the step passes its paths
         assert {k: v for k, v in before[name].items() if not k.startswith('_')} == \
             {k: v for k, v in after[name].items() if not k.startswith('_')}, name
-    assert torch.equal(model.generate(prompt, 10, temperature=0), compiled)
+    assert torch.equal(generate(model, prompt, 10, temperature=0), compiled)
 
 
 @needs_cuda

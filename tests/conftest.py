@@ -13,11 +13,13 @@ import pytest
 import torch
 
 from model import GPT, GPTConfig
+from router import step_ks
 
-REPO = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
 TINY = os.path.join(REPO, 'config', 'tiny.py')
 # one thread: these tiny runs do not gain from more, and stay fast on a busy machine
-OFFLINE_ENV = dict(os.environ, HF_DATASETS_OFFLINE='1', HF_HUB_OFFLINE='1', PYTHONUNBUFFERED='1', OMP_NUM_THREADS='1')
+OFFLINE_ENV = dict(os.environ, HF_DATASETS_OFFLINE='1', HF_HUB_OFFLINE='1', PYTHONUNBUFFERED='1',
+                   OMP_NUM_THREADS='1')
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
@@ -26,13 +28,15 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 def random_scores(B, T, N, seed=0, ties=False):
     g = torch.Generator().manual_seed(seed)
-    logits = torch.randint(0, 3, (B, T, N), generator=g).float() if ties else torch.randn(B, T, N, generator=g)
+    logits = (torch.randint(0, 3, (B, T, N), generator=g).float() if ties
+              else torch.randn(B, T, N, generator=g))
     return logits.softmax(-1)
 
 
 def tiny_config(router, **kw):
-    settings = dict(block_size=32, vocab_size=16, n_layer=2, n_head=2, n_embd=32, n_exp=4, top_k=2, exp_dim=32)
-    return GPTConfig(router=router, **{**settings, **kw})
+    """config/tiny.py's model on a 16-token vocabulary (the counting language's)."""
+    shape = {k: v for k, v in runpy.run_path(TINY).items() if k in GPTConfig.__dataclass_fields__}
+    return GPTConfig(router=router, **{**shape, 'vocab_size': 16, **kw})
 
 
 def counting_batches(seed=0, B=8, T=32):
@@ -47,11 +51,12 @@ def train_tiny(model, steps, lr=3e-3, check=None):
     opt = model.configure_optimizers(0.0, lr, (0.9, 0.99), 'cpu')
     losses = []
     for _, (x, y) in zip(range(steps), counting_batches()):
-        _, ce, aux = model(x, y)
+        _, ce, aux = model(x, y, moe_ks=step_ks(model.config, len(model.routers())))
         (ce + aux['aux_loss']).backward()
         opt.step()
         opt.zero_grad()
-        model.after_step()  # the routers' step rule, once per step (relu's lambda; a no-op for most)
+        # the routers' step rule, once per step (relu's lambda; a no-op for most)
+        model.after_step()
         losses.append(ce.item())
         if check:
             check(aux['routing'])
@@ -65,10 +70,10 @@ def trained_tiny(router, **kw):
     return model.eval()
 
 
-def train_step(model, x, y, fast=None, moe_ks=None):
+def train_step(model, x, y, moe_ks=None):
     """Loss and gradients of one training step (forward + backward)."""
     model.zero_grad()
-    _, ce, aux = model(x, y, fast=fast, moe_ks=moe_ks)
+    _, ce, aux = model(x, y, moe_ks=moe_ks)
     (ce + aux['aux_loss']).backward()
     return ce.detach(), [p.grad.clone() for p in model.parameters()]
 
@@ -99,7 +104,8 @@ def exit_message(script, args, monkeypatch):
 
 @pytest.fixture(scope='session')
 def prepared(tmp_path_factory):
-    """A folder whose data/ holds the built-in dataset (characters), prepared once for the whole session."""
+    """A folder whose data/ holds the built-in dataset (characters), prepared once for the whole
+    session."""
     path = tmp_path_factory.mktemp('prepared')
     result = run('prepare.py', cwd=path)
     assert result.returncode == 0, result.stderr
@@ -108,8 +114,8 @@ def prepared(tmp_path_factory):
 
 @pytest.fixture(scope='module')
 def workdir(prepared, tmp_path_factory):
-    """A folder of the module's own with the built-in data and one finished 10-step run in run/ (ckpt.pt
-    at step 10)."""
+    """A folder of the module's own with the built-in data and one finished 10-step run in run/
+    (ckpt.pt at step 10)."""
     path = tmp_path_factory.mktemp('work')
     shutil.copytree(prepared / 'data', path / 'data')
     result = run('train.py', TINY, '--max_iters=10', '--out_dir=run', cwd=path)

@@ -1,7 +1,8 @@
 """
-The scripts' answers to faults, as tests: any bad checkpoint file, a diverging run, SIGTERM and torchrun
-stopping every rank at the same step, a run killed while saving, damaged data folders, a full disk, an
-out_dir that cannot be one. Each ends with one line, and the last good checkpoint kept.
+The scripts' answers to faults, as tests: any bad checkpoint file, a diverging run, SIGTERM and
+torchrun stopping every rank at the same step, a run killed while saving, damaged data folders, a
+full disk, an out_dir that cannot be one. Each ends with one line, and the last good checkpoint
+kept.
 Run: python -m pytest -q
 """
 import json
@@ -25,8 +26,10 @@ def bad_checkpoints(good_path, folder):
     """name -> (path of a bad ckpt.pt, what its error must say)."""
     good = torch.load(good_path, weights_only=True)
     data = open(good_path, 'rb').read()
-    nanogpt = dict(model={'transformer.wte.weight': torch.zeros(65, 8)}, optimizer={}, iter_num=5, best_val_loss=1.0,
-                   model_args=dict(n_layer=1, n_head=1, n_embd=8, block_size=8, bias=False, vocab_size=65, dropout=0.0),
+    nanogpt = dict(model={'transformer.wte.weight': torch.zeros(65, 8)}, optimizer={}, iter_num=5,
+                   best_val_loss=1.0,
+                   model_args=dict(n_layer=1, n_head=1, n_embd=8, block_size=8, bias=False,
+                                   vocab_size=65, dropout=0.0),
                    config={'dataset': 'shakespeare_char'})
     nan_weights = dict(good, model={k: v.clone().fill_(float('nan')) if i == 0 else v
                                     for i, (k, v) in enumerate(good['model'].items())})
@@ -35,8 +38,10 @@ def bad_checkpoints(good_path, folder):
              'empty': (b'', 'is empty'),
              'truncated': (data[:len(data) // 2], 'is truncated or corrupt'),
              'nanogpt': (nanogpt, 'from another project (nanoGPT?)'),
-             'no_model_args': ({k: v for k, v in good.items() if k != 'model_args'}, 'it has no model_args'),
-             'missing_weight': (dict(good, model=dict(list(good['model'].items())[1:])), 'missing transformer.wte.weight'),
+             'no_model_args': ({k: v for k, v in good.items() if k != 'model_args'},
+                               'it has no model_args'),
+             'missing_weight': (dict(good, model=dict(list(good['model'].items())[1:])),
+                                'missing transformer.wte.weight'),
              'nan_weights': (nan_weights, 'holds non-finite weights'),
              'tensor': (torch.ones(3), 'holds a Tensor, not a checkpoint')}
     paths = {}
@@ -51,16 +56,21 @@ def bad_checkpoints(good_path, folder):
     return paths
 
 
-def test_any_bad_checkpoint_file_gets_one_line_from_train_and_sample(workdir, tmp_path, monkeypatch):
+def test_any_bad_checkpoint_file_gets_one_line_from_train_and_sample(
+        workdir, tmp_path, monkeypatch):
     monkeypatch.chdir(workdir)
     for name, (path, message) in bad_checkpoints(workdir / 'run' / 'ckpt.pt', tmp_path).items():
-        for script, args in (('train.py', [TINY, f'--init_from={path}', f'--out_dir={tmp_path}/ft']),
+        for script, args in (('train.py',
+                              [TINY, f'--init_from={path}', f'--out_dir={tmp_path}/ft']),
                              ('sample.py', [f'--out_dir={path.parent}'])):
             line = exit_message(script, args, monkeypatch)
-            assert line.startswith(f'error: {path} ') and message in line and '\n' not in line, (name, script, line)
+            assert (line.startswith(f'error: {path} ') and message in line
+                    and '\n' not in line), (name, script, line)
         if name == 'garbage':  # and the real thing, as a user runs it
-            assert str(path) in one_error_line(run('sample.py', f'--out_dir={path.parent}', cwd=workdir))
-            assert str(path) in one_error_line(run('train.py', f'--init_from={path}', '--out_dir=ft', cwd=workdir))
+            assert str(path) in one_error_line(run('sample.py', f'--out_dir={path.parent}',
+                                                   cwd=workdir))
+            assert str(path) in one_error_line(run('train.py', f'--init_from={path}',
+                                                   '--out_dir=ft', cwd=workdir))
     # resuming needs the optimizer and RNG state as well
     out = tmp_path / 'no_optimizer'
     out.mkdir()
@@ -77,25 +87,29 @@ def test_a_diverging_run_stops_and_keeps_the_last_good_checkpoint(workdir, tmp_p
     out = tmp_path / 'div'
     shutil.copytree(workdir / 'run', out)
     before = (out / 'ckpt.pt').read_bytes()
-    line = one_error_line(run('train.py', TINY, '--init_from=resume', '--max_iters=40', '--learning_rate=1e4',
-                              f'--out_dir={out}', cwd=workdir))
-    assert re.search(r'at step \d+: the run diverged', line) and 'lower --learning_rate' in line, line
+    line = one_error_line(run('train.py', TINY, '--init_from=resume', '--max_iters=40',
+                              '--learning_rate=1e4', f'--out_dir={out}', cwd=workdir))
+    assert (re.search(r'at step \d+: the run diverged', line)
+            and 'lower --learning_rate' in line), line
     assert (out / 'ckpt.pt').read_bytes() == before  # not replaced
     ckpt = torch.load(out / 'ckpt.pt', weights_only=True)
     assert ckpt['iter_num'] == 10 and all(torch.isfinite(v).all() for v in ckpt['model'].values())
     assert json.loads(open(out / 'log.jsonl').readlines()[-1])['event'] == 'diverged'
-    resumed = run('train.py', TINY, '--init_from=resume', '--max_iters=12', f'--out_dir={out}', cwd=workdir)
+    resumed = run('train.py', TINY, '--init_from=resume', '--max_iters=12', f'--out_dir={out}',
+                  cwd=workdir)
     assert resumed.returncode == 0, resumed.stderr
 
 
 def train_losses(out_dir):
-    return {r['iter']: r['ce'] for r in map(json.loads, open(out_dir / 'log.jsonl')) if r['event'] == 'train'}
+    return {r['iter']: r['ce'] for r in map(json.loads, open(out_dir / 'log.jsonl'))
+            if r['event'] == 'train'}
 
 
 def start_and_stop(cmd, cwd, after_line, target=None):
     """Start a training command, send SIGTERM (to target(pid) or the process) once after_line is
     printed, and return (return code, output, the step it stopped after)."""
-    proc = subprocess.Popen(cmd, cwd=cwd, env=OFFLINE_ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(cmd, cwd=cwd, env=OFFLINE_ENV, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
     output = []
     for line in proc.stdout:
         output.append(line)
@@ -109,9 +123,11 @@ def start_and_stop(cmd, cwd, after_line, target=None):
 
 
 def test_sigterm_saves_and_resume_equals_an_uninterrupted_run(workdir):
-    common = [os.path.join(REPO, 'train.py'), TINY, '--lr_decay_iters=40', '--eval_interval=1000', '--log_interval=1']
-    rc, output, step = start_and_stop([sys.executable, *common, '--max_iters=100000', '--out_dir=sig'],
-                                      workdir, after_line='iter 3:')
+    common = [os.path.join(REPO, 'train.py'), TINY, '--lr_decay_iters=40', '--eval_interval=1000',
+              '--log_interval=1']
+    rc, output, step = start_and_stop(
+        [sys.executable, *common, '--max_iters=100000', '--out_dir=sig'],
+        workdir, after_line='iter 3:')
     assert rc == 0 and step is not None and 'Traceback' not in output, output
     assert f"continue with: python {common[0]}" in output and '--init_from=resume' in output
     assert torch.load(workdir / 'sig' / 'ckpt.pt', weights_only=True)['iter_num'] == step
@@ -122,7 +138,8 @@ def test_sigterm_saves_and_resume_equals_an_uninterrupted_run(workdir):
     a, b = train_losses(workdir / 'sig-straight'), train_losses(workdir / 'sig')
     assert sorted(a) == sorted(b) == list(range(1, end + 1))
     assert all(a[i] == pytest.approx(b[i], abs=1e-6) for i in a)
-    assert resumed.stdout.splitlines()[-2] == straight.stdout.splitlines()[-2]  # the final eval line
+    # the final eval line
+    assert resumed.stdout.splitlines()[-2] == straight.stdout.splitlines()[-2]
 
 
 def child_with_rank(pid, rank):
@@ -133,10 +150,13 @@ def child_with_rank(pid, rank):
     raise AssertionError(f"no rank {rank} worker under {pid}")
 
 
-@pytest.mark.skipif(not os.path.exists('/proc/self/task'), reason="finds the torchrun workers through /proc")
+@pytest.mark.skipif(not os.path.exists('/proc/self/task'),
+                    reason="finds the torchrun workers through /proc")
 def test_torchrun_with_default_accumulation_runs_and_every_rank_stops_at_the_same_step(workdir):
-    common = [TINY, '--lr_decay_iters=40', '--eval_interval=1000', '--log_interval=1', '--device=cpu']  # gloo
-    # a SIGTERM to rank 1 alone: rank 0 learns it in the step's all-reduce, saves, and both exit cleanly
+    common = [TINY, '--lr_decay_iters=40', '--eval_interval=1000', '--log_interval=1',
+              '--device=cpu']  # gloo
+    # a SIGTERM to rank 1 alone: rank 0 learns it in the step's all-reduce, saves, and both exit
+    # cleanly
     rc, output, step = start_and_stop(
         [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
          os.path.join(REPO, 'train.py'), *common, '--max_iters=100000', '--out_dir=ddp-default'],
@@ -146,19 +166,26 @@ def test_torchrun_with_default_accumulation_runs_and_every_rank_stops_at_the_sam
     # the same global batch as one process accumulating over 2 micro-steps
     single = run('train.py', *common, '--gradient_accumulation_steps=2', f'--max_iters={step}',
                  '--out_dir=ddp-single', cwd=workdir)
-    assert single.returncode == 0 and 'global batch 16 sequences = 8 x 2 micro-steps' in single.stdout
-    a, b = (torch.load(workdir / d / 'ckpt.pt', weights_only=True) for d in ('ddp-default', 'ddp-single'))
+    assert (single.returncode == 0
+            and 'global batch 16 sequences = 8 x 2 micro-steps' in single.stdout)
+    a, b = (torch.load(workdir / d / 'ckpt.pt', weights_only=True)
+            for d in ('ddp-default', 'ddp-single'))
     assert a['iter_num'] == b['iter_num'] == step
     for name, weight in a['model'].items():
         torch.testing.assert_close(weight, b['model'][name], rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.skipif(not os.path.exists('/proc/self/task'), reason="finds the torchrun workers through /proc")
-def test_a_rank_killed_under_torchrun_ends_the_job_with_one_line_and_the_last_checkpoint_resumes(workdir):
-    common = [TINY, '--eval_interval=2', '--always_save_checkpoint=True', '--log_interval=1', '--device=cpu']
-    proc = subprocess.Popen([sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
-                             os.path.join(REPO, 'train.py'), *common, '--max_iters=100000', '--out_dir=ddp-dead'],
-                            cwd=workdir, env=OFFLINE_ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+@pytest.mark.skipif(not os.path.exists('/proc/self/task'),
+                    reason="finds the torchrun workers through /proc")
+def test_a_rank_killed_under_torchrun_ends_the_job_with_one_line_and_the_last_checkpoint_resumes(
+        workdir):
+    common = [TINY, '--eval_interval=2', '--always_save_checkpoint=True', '--log_interval=1',
+              '--device=cpu']
+    proc = subprocess.Popen([sys.executable, '-m', 'torch.distributed.run', '--standalone',
+                             '--nproc_per_node=2', os.path.join(REPO, 'train.py'), *common,
+                             '--max_iters=100000', '--out_dir=ddp-dead'],
+                            cwd=workdir, env=OFFLINE_ENV, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
     output = []
     for line in proc.stdout:
         output.append(line)
@@ -168,40 +195,50 @@ def test_a_rank_killed_under_torchrun_ends_the_job_with_one_line_and_the_last_ch
     output = ''.join(output + proc.stdout.readlines())
     assert proc.wait(timeout=120) != 0
     lines = [line for line in output.splitlines() if line.startswith('error: ')]
-    assert len(lines) == 1 and lines[0].startswith('error: a process of this torchrun job is gone ('), output
-    assert 'ddp-dead/ckpt.pt is left as it was (step ' in lines[0] and '--init_from=resume' in lines[0]
+    assert (len(lines) == 1
+            and lines[0].startswith('error: a process of this torchrun job is gone (')), output
+    assert ('ddp-dead/ckpt.pt is left as it was (step ' in lines[0]
+            and '--init_from=resume' in lines[0])
     assert 'train.py", line' not in output  # no traceback from inside the training script
     saved = torch.load(workdir / 'ddp-dead' / 'ckpt.pt', weights_only=True)['iter_num']
-    resumed = run('train.py', *common, f'--max_iters={saved + 2}', '--init_from=resume', '--out_dir=ddp-dead',
-                  cwd=workdir)
+    resumed = run('train.py', *common, f'--max_iters={saved + 2}', '--init_from=resume',
+                  '--out_dir=ddp-dead', cwd=workdir)
     assert resumed.returncode == 0 and f'iter {saved + 1}:' in resumed.stdout, resumed.stderr
 
 
 def test_under_torchrun_a_bad_checkpoint_is_said_once(workdir):
     (workdir / 'bad.pt').write_bytes(b'garbage')
-    result = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
-                             os.path.join(REPO, 'train.py'), TINY, '--init_from=bad.pt', '--out_dir=ddp-bad',
-                             '--device=cpu'],
-                            cwd=workdir, env=OFFLINE_ENV, capture_output=True, text=True, timeout=300)
-    errors = [line for line in (result.stdout + result.stderr).splitlines() if line.startswith('error: ')]
+    result = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--standalone',
+                             '--nproc_per_node=2', os.path.join(REPO, 'train.py'), TINY,
+                             '--init_from=bad.pt', '--out_dir=ddp-bad', '--device=cpu'],
+                            cwd=workdir, env=OFFLINE_ENV, capture_output=True, text=True,
+                            timeout=300)
+    errors = [line for line in (result.stdout + result.stderr).splitlines()
+              if line.startswith('error: ')]
     assert result.returncode != 0  # every rank stops; rank 0 alone says why
-    assert errors == ["error: bad.pt is not a torch checkpoint file; give a ckpt.pt written by train.py"]
+    assert errors == ["error: bad.pt is not a torch checkpoint file; "
+                      "give a ckpt.pt written by train.py"]
 
 
 @pytest.mark.skipif(torch.cuda.device_count() != 1, reason="needs exactly one CUDA GPU")
 def test_torchrun_with_more_processes_than_gpus_is_one_line():
-    result = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
-                             os.path.join(REPO, 'train.py'), TINY, '--device=cuda', '--out_dir=ddp-gpus'],
+    result = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--standalone',
+                             '--nproc_per_node=2', os.path.join(REPO, 'train.py'), TINY,
+                             '--device=cuda', '--out_dir=ddp-gpus'],
                             env=OFFLINE_ENV, capture_output=True, text=True, timeout=300)
-    errors = [line for line in (result.stdout + result.stderr).splitlines() if line.startswith('error: ')]
+    errors = [line for line in (result.stdout + result.stderr).splitlines()
+              if line.startswith('error: ')]
     assert result.returncode != 0  # every rank stops; rank 0 alone says why
-    assert errors == ["error: torchrun started more processes on this node than the 1 visible GPU(s): "
-                      "use --nproc_per_node=1, or --device=cpu (gloo)"]
+    assert errors == [
+        "error: torchrun started more processes on this node than the 1 visible GPU(s): "
+        "use --nproc_per_node=1, or --device=cpu (gloo)"]
 
 
-def test_a_run_killed_in_the_middle_of_a_save_leaves_its_last_checkpoint_and_resumes(workdir, tmp_path):
+def test_a_run_killed_in_the_middle_of_a_save_leaves_its_last_checkpoint_and_resumes(
+        workdir, tmp_path):
     out = tmp_path / 'killed'
-    common = [TINY, '--eval_interval=1', '--eval_iters=1', '--always_save_checkpoint=True', f'--out_dir={out}']
+    common = [TINY, '--eval_interval=1', '--eval_iters=1', '--always_save_checkpoint=True',
+              f'--out_dir={out}']
     # the first save is whole; the second is killed half-way through writing its checkpoint
     killed = run_on_a_full_disk('train.py', *common, '--max_iters=100', cwd=workdir,
                                 target=r'ckpt\.pt\.\w+\.tmp$', limit=20_000, skip=1, kill=True)
@@ -212,47 +249,51 @@ def test_a_run_killed_in_the_middle_of_a_save_leaves_its_last_checkpoint_and_res
     resumed = run('train.py', *common, '--max_iters=3', '--init_from=resume', cwd=workdir)
     assert resumed.returncode == 0, resumed.stderr
     assert torch.load(out / 'ckpt.pt', weights_only=True)['iter_num'] == 3
-    assert not list(out.glob('*.tmp'))  # the run that holds the folder clears what a killed one left
+    # the run that holds the folder clears what a killed one left
+    assert not list(out.glob('*.tmp'))
 
 
 # -----------------------------------------------------------------------------
-# faults at the file system's edges: damaged data folders, a full disk, an out_dir that cannot be one
+# faults at the file system's edges: damaged data folders, a full disk,
+# an out_dir that cannot be one
 
-def test_a_damaged_data_folder_is_one_line_naming_the_file_and_the_command_that_rebuilds_it(workdir, tmp_path):
-    import pickle
+def test_a_damaged_data_folder_is_one_line_naming_the_file_and_the_command_that_rebuilds_it(
+        workdir, tmp_path):
     good = workdir / 'data' / 'shakespeare_char'
-
-    def older(folder, content):  # a folder written before meta.json: its meta.pkl
-        os.remove(folder / 'meta.json')
-        (folder / 'meta.pkl').write_bytes(content)
     cases = {  # folder name -> (how to damage a copy of the built-in data, what the line must say)
         'truncated': (lambda d: os.truncate(d / 'train.bin', os.path.getsize(d / 'train.bin') - 1),
                       'train.bin is 8619291 bytes, not a whole number of uint16 tokens'),
         'no_meta': (lambda d: os.remove(d / 'meta.json'), 'meta.json is missing'),
         'no_val': (lambda d: os.remove(d / 'val.bin'), 'val.bin is missing'),
-        'garbage_meta': (lambda d: (d / 'meta.json').write_bytes(os.urandom(64)), 'meta.json cannot be read'),
-        'garbage_pkl': (lambda d: older(d, os.urandom(64)), 'meta.pkl cannot be read'),
-        'foreign_meta': (lambda d: older(d, pickle.dumps({'vocab_size': 65})),  # nanoGPT's
-                         'meta.pkl is not a meta.pkl written by prepare.py'),
-        'short': (lambda d: os.truncate(d / 'val.bin', 40), 'val.bin has 20 tokens, too few for block_size=32'),
+        'garbage_meta': (lambda d: (d / 'meta.json').write_bytes(os.urandom(64)),
+                         'meta.json cannot be read'),
+        'foreign_meta': (lambda d: (d / 'meta.json').write_text('{"vocab_size": 65}'),  # not ours
+                         'meta.json is not a meta.json written by prepare.py'),
+        'short': (lambda d: os.truncate(d / 'val.bin', 40),
+                  'val.bin has 20 tokens, too few for block_size=32'),
     }
     for name, (damage, message) in cases.items():
         folder = tmp_path / 'data' / name
         shutil.copytree(good, folder)
         damage(folder)
-        line = one_error_line(run('train.py', TINY, f'--dataset={name}', '--out_dir=out', cwd=tmp_path))
+        line = one_error_line(run('train.py', TINY, f'--dataset={name}', '--out_dir=out',
+                                  cwd=tmp_path))
         assert f"data/{name}/" in line and message in line, line
         if name != 'short':
-            assert f"`python prepare.py --text=FILE --out_dir=data/{name}`" in line, line
+            assert (f"`python prepare.py --text=FILE --dataset={name}` (or `--source=SOURCE`)"
+                    in line), line
         assert not (tmp_path / 'out').exists()  # nothing written
-    shutil.copytree(good, tmp_path / 'data' / 'shakespeare_char')  # the built-in data: its own command
+    # the built-in data: its own command
+    shutil.copytree(good, tmp_path / 'data' / 'shakespeare_char')
     os.remove(tmp_path / 'data' / 'shakespeare_char' / 'val.bin')
     line = one_error_line(run('train.py', TINY, '--out_dir=out', cwd=tmp_path))
-    assert line.endswith("val.bin is missing; rebuild it with `python prepare.py`"), line
+    assert line.endswith(
+        "val.bin is missing; rebuild it with `python prepare.py --dataset=shakespeare_char`"), line
 
 
-# Runs a script with the file system refusing writes to files whose name matches TARGET after LIMIT bytes
-# (the first `SKIP` such files are written in full): as a disk that fills up, or a quota that runs out.
+# Runs a script with the file system refusing writes to files whose name matches TARGET after
+# LIMIT bytes (the first `SKIP` such files are written in full): as a disk that fills up, or a
+# quota that runs out.
 FULL_DISK = """
 import builtins, errno, os, re, runpy, sys
 real_open, opened = builtins.open, []
@@ -292,23 +333,26 @@ runpy.run_path(script, run_name='__main__')
 
 def run_on_a_full_disk(script, *args, cwd, target, limit=1000, skip=0, kill=False):
     """kill=True: the process is killed (SIGKILL) where the write would fail."""
-    driver = FULL_DISK.replace('TARGET', repr(target)).replace('LIMIT', str(limit)).replace('SKIP', str(skip))
+    driver = (FULL_DISK.replace('TARGET', repr(target)).replace('LIMIT', str(limit))
+              .replace('SKIP', str(skip)))
     driver = driver.replace('KILL', str(kill))
-    return subprocess.run([sys.executable, '-c', driver, os.path.join(REPO, script), *args], cwd=cwd, env=OFFLINE_ENV,
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, '-c', driver, os.path.join(REPO, script), *args],
+                          cwd=cwd, env=OFFLINE_ENV, capture_output=True, text=True, timeout=300)
 
 
 @pytest.mark.parametrize("target", [r'ckpt\.pt\.\w+\.tmp$', r'log\.jsonl$'])
-def test_a_full_disk_stops_the_run_with_one_line_and_keeps_the_last_good_checkpoint(workdir, tmp_path, target):
+def test_a_full_disk_stops_the_run_with_one_line_and_keeps_the_last_good_checkpoint(
+        workdir, tmp_path, target):
     out = tmp_path / 'full'
     shutil.copytree(workdir / 'run', out)  # a checkpoint at step 10
     before = (out / 'ckpt.pt').read_bytes()
-    common = [TINY, '--init_from=resume', '--max_iters=30', '--eval_interval=5', '--always_save_checkpoint=True',
-              f'--out_dir={out}']
+    common = [TINY, '--init_from=resume', '--max_iters=30', '--eval_interval=5',
+              '--always_save_checkpoint=True', f'--out_dir={out}']
     line = one_error_line(run_on_a_full_disk('train.py', *common, cwd=workdir, target=target))
     assert f"could not write {out}/{'ckpt.pt' if target.startswith('ckpt') else 'log.jsonl'} " \
            f"(No space left on device)" in line, line
-    assert f"{out}/ckpt.pt is left as it was (step 10)" in line and '--init_from=resume' in line, line
+    assert (f"{out}/ckpt.pt is left as it was (step 10)" in line
+            and '--init_from=resume' in line), line
     assert (out / 'ckpt.pt').read_bytes() == before and not list(out.glob('*.tmp'))
     assert all(json.loads(record) for record in open(out / 'log.jsonl'))  # no half-written line
     resumed = run('train.py', *common, cwd=workdir)  # space again: it continues from step 10
@@ -317,16 +361,18 @@ def test_a_full_disk_stops_the_run_with_one_line_and_keeps_the_last_good_checkpo
 
 
 def test_prepare_on_a_full_disk_leaves_no_half_written_file(tmp_path):
-    line = one_error_line(run_on_a_full_disk('prepare.py', cwd=tmp_path, target=r'\.bin\.\w+\.tmp$', limit=10_000))
-    assert line == ("error: could not write data/shakespeare_char/ (No space left on device); free some space, "
-                    "or give another --out_dir, and run prepare.py again")
+    line = one_error_line(run_on_a_full_disk('prepare.py', cwd=tmp_path, target=r'\.bin\.\w+\.tmp$',
+                                             limit=10_000))
+    assert line == ("error: could not write data/shakespeare_char/ (No space left on device); "
+                    "free some space, or give another --dataset, and run prepare.py again")
     assert os.listdir(tmp_path / 'data' / 'shakespeare_char') == []
 
 
 def test_an_out_dir_that_cannot_be_one_is_said_before_anything_runs(workdir, tmp_path):
     (tmp_path / 'afile').write_text('not a folder')
     for out_dir, message in ((tmp_path / 'afile', 'exists and is not a folder'),
-                             (tmp_path / 'afile' / 'run', f'cannot be created ({tmp_path}/afile is not a folder)')):
+                             (tmp_path / 'afile' / 'run',
+                              f'cannot be created ({tmp_path}/afile is not a folder)')):
         line = one_error_line(run('train.py', TINY, f'--out_dir={out_dir}', cwd=workdir))
         assert line == f"error: --out_dir={out_dir} {message}; give another --out_dir"
 
@@ -342,9 +388,11 @@ def test_a_log_cut_off_mid_line_is_read_around_and_cut_back_when_the_run_resumes
     whole = log.read_text()
     log.write_text(whole + '{"event": "train", "iter": 11, "ce": 2.')  # killed while appending
     assert plot.load_run(str(out))['final']['iter'] == 10  # the figures: from the whole records
-    resumed = run('train.py', TINY, f'--out_dir={out}', '--init_from=resume', '--max_iters=12', cwd=workdir)
+    resumed = run('train.py', TINY, f'--out_dir={out}', '--init_from=resume', '--max_iters=12',
+                  cwd=workdir)
     assert resumed.returncode == 0, resumed.stderr
-    assert f"note: {log} ended in a line cut off mid-write; cut it back to its last whole line" in resumed.stdout
+    assert (f"note: {log} ended in a line cut off mid-write; cut it back to its last whole line"
+            in resumed.stdout)
     text = log.read_text()
     records = [json.loads(line) for line in text.splitlines()]  # every line whole again
     assert text.startswith(whole) and records[-1]['event'] == 'done' and records[-1]['iter'] == 12
@@ -352,27 +400,32 @@ def test_a_log_cut_off_mid_line_is_read_around_and_cut_back_when_the_run_resumes
 
 def test_a_second_run_into_a_live_run_s_out_dir_is_refused_and_a_killed_run_holds_nothing(workdir):
     out = workdir / 'live'
-    first = subprocess.Popen([sys.executable, os.path.join(REPO, 'train.py'), TINY, '--out_dir=live',
-                              '--max_iters=100000', '--eval_interval=100000'], cwd=workdir, env=OFFLINE_ENV,
+    first = subprocess.Popen([sys.executable, os.path.join(REPO, 'train.py'), TINY,
+                              '--out_dir=live', '--max_iters=100000', '--eval_interval=100000'],
+                             cwd=workdir, env=OFFLINE_ENV,
                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.time() + 120
-        while not ((out / 'run.lock').exists() and (out / 'run.lock').read_text()) and time.time() < deadline:
+        while (not ((out / 'run.lock').exists() and (out / 'run.lock').read_text())
+               and time.time() < deadline):
             time.sleep(0.2)
         for how in ('--overwrite=True', '--init_from=resume', '--eval_only=True'):
             line = one_error_line(run('train.py', TINY, '--out_dir=live', how, cwd=workdir))
-            assert line.startswith(f"error: --out_dir=live is in use by a live run (pid {first.pid} on host "), line
+            assert line.startswith(
+                f"error: --out_dir=live is in use by a live run (pid {first.pid} on host "), line
             assert 'wait for it to end or stop it, or give another --out_dir' in line
     finally:
         first.kill()  # SIGKILL: no chance to let go of anything itself
         first.wait()
     assert (out / 'run.lock').read_text().startswith(f'pid {first.pid} ')  # its file stays ...
-    again = run('train.py', TINY, '--out_dir=live', '--overwrite=True', '--max_iters=2', cwd=workdir)
+    again = run('train.py', TINY, '--out_dir=live', '--overwrite=True', '--max_iters=2',
+                cwd=workdir)
     assert again.returncode == 0, again.stderr  # ... but the kernel's lock went with the process
 
 
 # -----------------------------------------------------------------------------
-# files from elsewhere: a data folder runs no code, its ids fit its vocabulary, a checkpoint its data
+# files from elsewhere: a data folder runs no code, its ids fit its vocabulary,
+# a checkpoint its data
 
 class RunsCode:
     """What a shared meta.pkl can be made to do the moment pickle.load reads it: run code."""
@@ -380,25 +433,24 @@ class RunsCode:
         return (exec, ("open('PWNED', 'w').write('ran')",))
 
 
-def test_a_meta_pkl_made_to_run_code_runs_none_and_is_refused_in_one_line(workdir, tmp_path):
+def test_a_data_folder_is_read_as_json_only_so_a_pickle_made_to_run_code_runs_none(
+        workdir, tmp_path):
     import pickle
     evil = tmp_path / 'data' / 'evil'
     shutil.copytree(workdir / 'data' / 'shakespeare_char', evil)
-    os.remove(evil / 'meta.json')  # as a folder written before meta.json, or by someone else
-    (evil / 'meta.pkl').write_bytes(pickle.dumps(dict(tokenizer='char', vocab_size=76, x=RunsCode())))
+    os.remove(evil / 'meta.json')  # as nanoGPT's folders, or someone else's: a meta.pkl instead
+    (evil / 'meta.pkl').write_bytes(
+        pickle.dumps(dict(tokenizer='char', vocab_size=76, x=RunsCode())))
     line = one_error_line(run('train.py', TINY, '--dataset=evil', '--out_dir=out', cwd=tmp_path))
-    assert 'data/evil/meta.pkl holds Python objects (builtins.exec) that safe loading refuses' in line
-    assert '`python prepare.py --text=FILE --out_dir=data/evil`' in line
+    assert 'data/evil/meta.json is missing' in line
+    assert '`python prepare.py --text=FILE --dataset=evil` (or `--source=SOURCE`)' in line
     assert not (tmp_path / 'PWNED').exists() and not (tmp_path / 'out').exists()
-    # a folder written before meta.json, whose meta.pkl holds plain values, still trains
-    from prepare import check_data
-    meta = check_data(str(workdir / 'data' / 'shakespeare_char'), 32)
-    (evil / 'meta.pkl').write_bytes(pickle.dumps(meta))
-    result = run('train.py', TINY, '--dataset=evil', '--out_dir=out', '--max_iters=2', cwd=tmp_path)
-    assert result.returncode == 0, result.stderr
+    line = one_error_line(run('sample.py', '--out_dir=out', cwd=tmp_path))  # nor does sample.py
+    assert not (tmp_path / 'PWNED').exists()
 
 
-def test_token_ids_past_the_vocabulary_are_one_line_naming_the_file_the_id_and_the_command(workdir, tmp_path):
+def test_token_ids_past_the_vocabulary_are_one_line_naming_the_file_the_id_and_the_command(
+        workdir, tmp_path):
     import numpy as np
     mixed = tmp_path / 'data' / 'mixed'
     shutil.copytree(workdir / 'data' / 'shakespeare_char', mixed)
@@ -406,20 +458,25 @@ def test_token_ids_past_the_vocabulary_are_one_line_naming_the_file_the_id_and_t
     ids[123_456] = 50256  # a GPT-2 id in a character folder (another tokenizer wrote it)
     ids.tofile(mixed / 'train.bin')
     line = one_error_line(run('train.py', TINY, '--dataset=mixed', '--out_dir=out', cwd=tmp_path))
-    assert 'data/mixed/train.bin holds token id 50256, past the vocabulary of 76 ids in meta.json' in line
-    assert '`python prepare.py --text=FILE --out_dir=data/mixed`' in line
+    assert ('data/mixed/train.bin holds token id 50256, past the vocabulary of 76 ids in meta.json'
+            in line)
+    assert '`python prepare.py --text=FILE --dataset=mixed`' in line
 
 
-def test_fine_tuning_on_data_whose_same_size_vocabulary_means_other_characters_is_one_line(workdir, tmp_path):
+def test_fine_tuning_on_data_whose_same_size_vocabulary_means_other_characters_is_one_line(
+        workdir, tmp_path):
     shuffled = tmp_path / 'data' / 'shuffled'
     shutil.copytree(workdir / 'data' / 'shakespeare_char', shuffled)
     meta = json.load(open(shuffled / 'meta.json'))
-    meta['itos'] = meta['itos'][::-1]  # the same 76 ids, other characters: another text's vocabulary
+    # the same 76 ids, other characters: another text's vocabulary
+    meta['itos'] = meta['itos'][::-1]
     (shuffled / 'meta.json').write_text(json.dumps(meta))
-    line = one_error_line(run('train.py', TINY, '--dataset=shuffled', f"--init_from={workdir / 'run' / 'ckpt.pt'}",
-                              '--out_dir=ft', cwd=tmp_path))
-    assert "was trained on another vocabulary than data/shuffled's (the same 76 ids stand for other " \
-           "characters); use the dataset it was trained on (--dataset=shakespeare_char)" in line
+    line = one_error_line(run('train.py', TINY, '--dataset=shuffled',
+                              f"--init_from={workdir / 'run' / 'ckpt.pt'}", '--out_dir=ft',
+                              cwd=tmp_path))
+    assert ("was trained on another vocabulary than data/shuffled's (the same 76 ids stand for "
+            "other characters); use the dataset it was trained on (--dataset=shakespeare_char)"
+            in line)
     assert not (tmp_path / 'ft').exists()
 
 
@@ -436,10 +493,11 @@ def test_an_evaluation_never_writes_into_the_run_it_reads(workdir, tmp_path):
         result = run('train.py', TINY, f'--out_dir={out}', '--eval_only=True', *args, cwd=workdir)
         assert result.returncode == 0 and 'val ce' in result.stdout, result.stderr
         assert {name: (out / name).read_bytes() for name in before} == before
-        assert sorted(os.listdir(out)) == ['ckpt.pt', 'log.jsonl', 'run.lock'][:len(os.listdir(out))]
+        assert (sorted(os.listdir(out))
+                == ['ckpt.pt', 'log.jsonl', 'run.lock'][:len(os.listdir(out))])
     # asked to, it writes its numbers into a folder of its own: a log, marked an evaluation
-    result = run('train.py', TINY, f'--init_from={out}/ckpt.pt', '--eval_only=True', '--router=seqtopk',
-                 f'--out_dir={tmp_path}/eval', cwd=workdir)
+    result = run('train.py', TINY, f'--init_from={out}/ckpt.pt', '--eval_only=True',
+                 '--router=seqtopk', f'--out_dir={tmp_path}/eval', cwd=workdir)
     assert result.returncode == 0, result.stderr
     records = [json.loads(line) for line in open(tmp_path / 'eval' / 'log.jsonl')]
     assert [r['event'] for r in records] == ['start', 'eval', 'done']
@@ -447,13 +505,15 @@ def test_an_evaluation_never_writes_into_the_run_it_reads(workdir, tmp_path):
     assert not (tmp_path / 'eval' / 'ckpt.pt').exists()
 
 
-def test_an_overwritten_run_stopped_before_its_first_save_never_resumes_the_old_checkpoint(workdir, tmp_path):
+def test_an_overwritten_run_stopped_before_its_first_save_never_resumes_the_old_checkpoint(
+        workdir, tmp_path):
     out = tmp_path / 'over'
     shutil.copytree(workdir / 'run', out)  # a finished run: its checkpoint at step 10
     old_id = json.loads(open(out / 'log.jsonl').readline())['run_id']
-    proc = subprocess.Popen([sys.executable, os.path.join(REPO, 'train.py'), TINY, f'--out_dir={out}',
-                             '--overwrite=True', '--max_iters=100000', '--eval_interval=100000',
-                             '--log_interval=1'], cwd=workdir, env=OFFLINE_ENV, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, os.path.join(REPO, 'train.py'), TINY,
+                             f'--out_dir={out}', '--overwrite=True', '--max_iters=100000',
+                             '--eval_interval=100000', '--log_interval=1'],
+                            cwd=workdir, env=OFFLINE_ENV, stdout=subprocess.PIPE, text=True)
     for line in proc.stdout:
         if line.startswith('iter 2:'):
             proc.kill()  # an OOM kill or a preemption without notice: no save
@@ -462,11 +522,14 @@ def test_an_overwritten_run_stopped_before_its_first_save_never_resumes_the_old_
     assert not (out / 'ckpt.pt').exists()  # the old run's checkpoint was moved out of the way first
     assert (out / 'replaced' / 'ckpt.pt').exists() and (out / 'replaced' / 'log.jsonl').exists()
     assert json.loads(open(out / 'log.jsonl').readline())['run_id'] != old_id
-    line = one_error_line(run('train.py', TINY, f'--out_dir={out}', '--init_from=resume', cwd=workdir))
+    line = one_error_line(run('train.py', TINY, f'--out_dir={out}', '--init_from=resume',
+                              cwd=workdir))
     assert 'there is no checkpoint at' in line
-    # a checkpoint left beside another run's log (moved back by hand, or by an older seqmoe): refused
+    # a checkpoint left beside another run's log (moved back by hand, or by an older seqmoe):
+    # refused
     shutil.copy(out / 'replaced' / 'ckpt.pt', out / 'ckpt.pt')
-    line = one_error_line(run('train.py', TINY, f'--out_dir={out}', '--init_from=resume', cwd=workdir))
+    line = one_error_line(run('train.py', TINY, f'--out_dir={out}', '--init_from=resume',
+                              cwd=workdir))
     assert f"{out}/ckpt.pt is not the checkpoint of the run in {out}/log.jsonl" in line, line
     # and a run whose log exists without a checkpoint is a run all the same: not replaced silently
     os.remove(out / 'ckpt.pt')
@@ -483,22 +546,26 @@ def test_a_resumed_run_s_settings_are_checked_as_merged_with_its_checkpoint(work
     assert first.returncode == 0, first.stderr
     # no --n_exp here (the command line's default is 8): k=12 fits the checkpoint's 16 experts
     model = ['--n_layer=2', '--n_head=2', '--n_embd=32', '--exp_dim=32', '--block_size=32']
-    again = run('train.py', *model, '--batch_size=4', '--eval_iters=1', '--k_schedule=0:12', '--max_iters=4',
-                '--log_interval=1',
+    again = run('train.py', *model, '--batch_size=4', '--eval_iters=1', '--k_schedule=0:12',
+                '--max_iters=4', '--log_interval=1',
                 '--init_from=resume', f'--out_dir={out}', cwd=workdir)
     assert again.returncode == 0, again.stderr
-    assert [r['experts'] for r in map(json.loads, open(out / 'log.jsonl')) if r['event'] == 'train'][-1] == 12.0
+    assert [r['experts'] for r in map(json.loads, open(out / 'log.jsonl'))
+            if r['event'] == 'train'][-1] == 12.0
     assert "between 1 and --n_exp=16" in one_error_line(run(
-        'train.py', *model, '--k_schedule=0:17', '--max_iters=6', '--init_from=resume', f'--out_dir={out}',
-        cwd=workdir))
-    # the data is checked against the context that trains: the checkpoint's 32 tokens, not the default 128
+        'train.py', *model, '--k_schedule=0:17', '--max_iters=6', '--init_from=resume',
+        f'--out_dir={out}', cwd=workdir))
+    # the data is checked against the context that trains: the checkpoint's 32 tokens, not the
+    # default 128
     short = tmp_path / 'data' / 'short'
     os.makedirs(short)
     for name in ('train.bin', 'val.bin'):
-        (short / name).write_bytes((workdir / 'data' / 'shakespeare_char' / name).read_bytes()[:200])
+        (short / name).write_bytes(
+            (workdir / 'data' / 'shakespeare_char' / name).read_bytes()[:200])
     shutil.copy(workdir / 'data' / 'shakespeare_char' / 'meta.json', short)
-    tuned = run('train.py', '--dataset=short', f"--init_from={workdir / 'run' / 'ckpt.pt'}", '--max_iters=2',
-                '--eval_iters=1', '--batch_size=2', f'--out_dir={tmp_path}/ft', cwd=tmp_path)
+    tuned = run('train.py', '--dataset=short', f"--init_from={workdir / 'run' / 'ckpt.pt'}",
+                '--max_iters=2', '--eval_iters=1', '--batch_size=2', f'--out_dir={tmp_path}/ft',
+                cwd=tmp_path)
     assert tuned.returncode == 0, tuned.stderr
 
 
@@ -510,17 +577,22 @@ def test_resuming_with_another_router_measures_its_best_val_loss_afresh(workdir,
     common = [TINY, f'--out_dir={out}', '--init_from=resume', '--eval_interval=2', '--max_iters=14']
     result = run('train.py', *common, '--router=seqtopk', cwd=workdir)
     assert result.returncode == 0, result.stderr
-    evals = [r for r in map(json.loads, open(out / 'log.jsonl')) if r['event'] == 'eval' and r['iter'] > 10]
+    evals = [r for r in map(json.loads, open(out / 'log.jsonl'))
+             if r['event'] == 'eval' and r['iter'] > 10]
     saved = torch.load(out / 'ckpt.pt', weights_only=True)
-    assert saved['best_val_loss'] == pytest.approx(min(r['val_ce'] for r in evals))  # seqtopk's own best
+    # seqtopk's own best
+    assert saved['best_val_loss'] == pytest.approx(min(r['val_ce'] for r in evals))
     assert saved['model_args']['router'] == 'seqtopk'
 
 
 def test_two_runs_on_a_fresh_machine_prepare_the_built_in_data_once_between_them(tmp_path):
     runs = [subprocess.Popen([sys.executable, os.path.join(REPO, 'train.py'), TINY, '--max_iters=2',
-                              f'--out_dir=out{i}'], cwd=tmp_path, env=OFFLINE_ENV, stdout=subprocess.PIPE,
+                              f'--out_dir=out{i}'],
+                             cwd=tmp_path, env=OFFLINE_ENV, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True) for i in range(2)]
     outputs = [proc.communicate(timeout=300) for proc in runs]
     assert all(proc.returncode == 0 for proc in runs), outputs
-    assert sum('preparing the built-in dataset' in out for out, _ in outputs) == 1  # the other waited
-    assert sorted(os.listdir(tmp_path / 'data' / 'shakespeare_char')) == ['meta.json', 'train.bin', 'val.bin']
+    # the other waited
+    assert sum('preparing the built-in dataset' in out for out, _ in outputs) == 1
+    assert (sorted(os.listdir(tmp_path / 'data' / 'shakespeare_char'))
+            == ['meta.json', 'train.bin', 'val.bin'])

@@ -1,0 +1,390 @@
+"""
+Sparsity sweeps: routers x K x seeds, each a plain train.py run in out_dir/<name>/, tabulated with
+each router's paired difference from topk (same seed = same initialisation and batches) in
+out_dir/sweep.json and sweep.csv. Finished runs are reused and stopped ones (Ctrl-C, SIGTERM)
+resumed, only if made with the settings the sweep gives them now (--rerun_changed=True: train them
+again); one sweep holds an out_dir at a time. finetune=True fine-tunes a TopK checkpoint per seed
+with every router at every K, and adds training-free rows (that checkpoint evaluated with each
+routing but mrltopk's, which is topk's); dense='active,total' adds dense GPTs (--moe_every=0) of
+FFN width K*exp_dim and n_exp*exp_dim. A router may carry its own settings: `seqtopk+balance=bias`.
+
+    python experiments/sweep.py experiments/config/sweep_cpu.py   # pretraining, with dense rows
+    python experiments/sweep.py experiments/config/sweep_finetune_cpu.py  # the paper's Table 1
+    python experiments/sweep.py --routers=topk,seqtopk --top_ks=4,2 --seeds=1,2,3 --max_iters=300
+"""
+import ast
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # the model's files
+
+from checkpoint import code_version, lock, lock_holder, written  # noqa: E402
+from configurator import (Rule, configure, each, fail, non_empty, non_negative_int,  # noqa: E402
+                          one_of, parse, positive_int)
+from router import ROUTERS  # noqa: E402
+from compare import (format_difference, last_done, markdown, mean_std,  # noqa: E402
+                     paired_difference, read_run)
+
+# -----------------------------------------------------------------------------
+out_dir = 'sweeps/cpu'    # the sweep's folder: a folder per run, sweep.json and sweep.csv
+routers = 'topk,seqtopk'  # topk first: the paired differences are against it
+top_ks = '8,4,2'
+seeds = '1,2,3'
+max_iters = 1500
+dense = ''                # dense rows (pretraining only): 'active', 'total' or 'active,total'
+finetune = False          # pretrain TopK once per seed, then fine-tune every (router, K) from it
+pretrain_k = 8
+pretrain_iters = 1500
+finetune_args = ''        # passed to the fine-tuning runs only (after train_args)
+jobs = 1                  # runs at once; with more than one, each gets cpu_count // jobs threads
+train_args = '--n_exp=32 --exp_dim=32 --eval_interval=500'  # passed to every train.py run
+rerun_changed = False     # a finished or stopped run made with other settings: run it again
+# -----------------------------------------------------------------------------
+
+
+def router_of(variant):  # 'seqtopk+balance=bias' -> 'seqtopk'
+    return variant.split('+')[0]
+
+
+RULES = dict(out_dir=non_empty, routers=each(one_of(*ROUTERS), router_of),
+             top_ks=each(positive_int, int), seeds=each(non_negative_int, int),
+             max_iters=positive_int, pretrain_k=positive_int, pretrain_iters=positive_int,
+             jobs=positive_int,
+             dense=Rule(lambda v: v == '' or all(i in ('active', 'total') for i in v.split(',')),
+                        "'' (none), 'active', 'total' or 'active,total'"))
+TRAIN = os.path.join(ROOT, 'train.py')
+LOCK = 'sweep.lock'  # in out_dir: held (flock) by the sweep that runs there
+IGNORED = {'out_dir', 'overwrite', 'init_from'}  # where and how a run starts, not what it trains
+print_lock = threading.Lock()
+running = set()  # the train.py processes under way
+stopping = []    # why the sweep stops (a signal, a failed run), once something stopped it
+fresh = set()    # run folders to train again from scratch (made with other settings)
+
+
+def script_settings(path, args=()):
+    """The settings `python path args` would run with, without running it: the script's code up
+    to configure() (its imports and settings block), then the args."""
+    body = ast.parse(open(path).read(), path).body
+    head = ast.Module(body[:next(i for i, node in enumerate(body)
+                                 if 'configure(' in ast.unparse(node))], [])
+    namespace = {'__name__': 'settings_of_' + os.path.basename(path), '__file__': path}
+    exec(compile(head, path, 'exec'), namespace)
+    settings = {k: v for k, v in namespace.items()
+                if not k.startswith('_') and isinstance(v, (int, float, bool, str))}
+    for arg in args:  # preset files and --key=value, as configurator.configure applies them
+        preset = {}
+        if arg.startswith('--') and '=' in arg:
+            preset = dict([arg[2:].split('=', 1)])
+        elif os.path.isfile(arg):
+            exec(open(arg).read(), {}, preset)
+        for key, raw in preset.items():  # a bad one: train.py says what is wrong with it
+            if key in settings:
+                settings[key] = parse(key, raw, settings[key])
+    return dict(sorted(settings.items()))
+
+
+def say(line):  # a whole line, whichever thread says it
+    with print_lock:
+        print(line, flush=True)
+
+
+def stop(why):
+    """Every run under way stops (it saves), no new run starts; the sweep exits once they have."""
+    if not stopping:
+        stopping.append(why)
+        for proc in list(running):
+            proc.send_signal(signal.SIGTERM)
+
+
+def recorded(folder):
+    """The run's settings (its start, else done record), base run and run_id; None: no log."""
+    log = read_run(folder)
+    if log is None:
+        return None
+    start = (log['start'] or [{}])[0]
+    made = log['done'][-1] if log['done'] and 'config' in log['done'][-1] else start
+    return dict(config=made.get('config'), from_run=made.get('from_run'),
+                run_id=(log['done'] or [start])[-1].get('run_id'))
+
+
+def changed(folder, args, base, defaults):
+    """['setting old -> new', ...] between the run in folder and what args would train now (and
+    a base run trained again since); [] alike, None no run yet."""
+    made = recorded(folder)
+    if made is None or made['config'] is None and not os.path.exists(
+            os.path.join(folder, 'ckpt.pt')):
+        return None
+    if made['config'] is None:
+        return ['its log records no settings (made before runs recorded them)']
+    now = script_settings(TRAIN, [*train_args.split(), *args])
+    old = made['config']
+    diffs = [f"{k} {old[k]!r} -> {now.get(k)!r}" if k in old else f"{k} (new) {now[k]!r}"
+             for k in sorted((set(old) | set(now)) - IGNORED)
+             if old.get(k) != now.get(k) and (k in old or now[k] != defaults.get(k))]
+    if base is not None and made['from_run'] != (recorded(base) or {}).get('run_id'):
+        diffs.append(f"its base {os.path.basename(base)} was trained again since")
+    return diffs
+
+
+def train(folder, args, number):
+    """Run train.py unless folder holds a finished run, resuming a stopped one (its ckpt.pt, no
+    'done' record); return its final record (None: the sweep is stopping)."""
+    again, evaluation = folder in fresh, '--eval_only=True' in args
+    if (again or last_done(folder, evaluation) is None) and not stopping:
+        resume = not again and not evaluation and os.path.exists(os.path.join(folder, 'ckpt.pt'))
+        args = [a for a in args if not (resume and a.startswith('--init_from='))]
+        cmd = [sys.executable, TRAIN, *train_args.split(), *args, f'--out_dir={folder}',
+               '--init_from=resume' if resume else '--overwrite=True']
+        env = dict(os.environ)
+        if jobs > 1:  # share the cores: one run's threads should not contend with another's
+            env['OMP_NUM_THREADS'] = str(max(1, (os.cpu_count() or 1) // jobs))
+        say(f"{number} $ {' '.join(cmd[1:])}")
+        with open(folder + '.out', 'a' if resume else 'w') as log:
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                    start_new_session=True)  # Ctrl-C reaches it through stop()
+            running.add(proc)
+            if stopping:  # the sweep stopped while it started
+                proc.send_signal(signal.SIGTERM)
+            proc.wait()
+            running.discard(proc)
+        if stopping:
+            return None
+        if proc.returncode != 0:
+            lines = open(folder + '.out', errors='replace').read().strip().splitlines()
+            why = next((line for line in reversed(lines) if line.startswith('error: ')),
+                       lines[-1] if lines else f'exit status {proc.returncode}')
+            fail(f"the run in {folder} failed ({why.removeprefix('error: ')}); see {folder}.out")
+        if last_done(folder, evaluation) is None:
+            fail(f"the run in {folder} exited without finishing (its log has no done record); "
+                 f"see {folder}.out")
+    return last_done(folder, evaluation)
+
+
+def plan(ks, seed_list, router_list, settings):
+    """The runs, seed-major, as (group, K, seed, name, args, after): group = (router, kind) names
+    the table row (None: pretraining), after a run to finish first; settings: train.py's."""
+    runs = [(None, pretrain_k, seed, f'pretrain-topk-k{pretrain_k}-s{seed}',
+             ['--router=topk', f'--top_k={pretrain_k}', f'--seed={seed}',
+              f'--max_iters={pretrain_iters}'], None) for seed in seed_list if finetune]
+    for k in ks:
+        groups = [(r, 'train') for r in router_list]
+        if finetune:  # the pretrained TopK checkpoint evaluated with each routing, no training
+            groups += [(r, 'training-free') for r in router_list if router_of(r) != 'mrltopk']
+        for router, kind in groups:
+            for seed in seed_list:
+                name = (f"{'ft-' if finetune else ''}{router}-k{k}-s{seed}" +
+                        ('-free' if kind != 'train' else ''))
+                args = [f'--router={router_of(router)}', *[f'--{s}' for s in router.split('+')[1:]],
+                        f'--top_k={k}', f'--seed={seed}', f'--max_iters={max_iters}']
+                base = f'pretrain-topk-k{pretrain_k}-s{seed}' if finetune else None
+                if base:
+                    args.append(f"--init_from={os.path.join(out_dir, base, 'ckpt.pt')}")
+                    args += finetune_args.split() if kind == 'train' else []
+                if kind == 'training-free':
+                    args.append('--eval_only=True')
+                runs.append(((router, kind), k, seed, name, args, base))
+    runs.sort(key=lambda run: run[0] is not None and run[2])  # pretraining first, then by seed
+    for match in [m for m in dense.split(',') if m]:
+        if settings['moe_every'] != 1:
+            fail("dense rows replace every FFN, so they need a sweep of --moe_every=1 models")
+        for k in (ks if match == 'active' else [None]):  # the total-parameter model has no K
+            width = (k if match == 'active' else settings['n_exp']) * settings['exp_dim']
+            for seed in seed_list:
+                args = ['--moe_every=0', f'--mlp_dim={width}', f'--seed={seed}',
+                        f'--max_iters={max_iters}']
+                name = f"dense-{'active-k' + str(k) if k else 'total'}-s{seed}"
+                runs.append((('dense', match), k, seed, name, args, None))
+    return runs
+
+
+def check_reuse(runs):
+    """A line per run in out_dir made with other settings than the sweep would give it now; then
+    stop, or (--rerun_changed) mark them to train again from scratch."""
+    defaults = script_settings(TRAIN)
+    stale = set()
+    for _, _, _, name, args, after in runs:  # in plan order: a base run before its fine-tunes
+        folder = os.path.join(out_dir, name)
+        base = os.path.join(out_dir, after) if after else None
+        diffs = changed(folder, args, base, defaults)
+        if diffs or (base in stale and diffs is not None):
+            stale.add(folder)
+            why = '; '.join(diffs or ['its base reruns'])
+            print(f"{folder} was made with other settings: {why}")
+    if stale and not rerun_changed:
+        fail(f"{len(stale)} run(s) in {out_dir} were made with other settings (above); run them "
+             f"again with --rerun_changed=True, or give another --out_dir")
+    fresh.update(stale)
+
+
+def run_all(runs):
+    """Run the plan, `jobs` runs at once, saying each run's start, result and the time left; the
+    first failure stops the sweep. Returns {name: final record}."""
+    futures, finished, took, start = {}, {}, [], time.time()
+
+    def one(i, name, args, after):
+        if after is not None:
+            futures[after].result()  # its checkpoint must exist first
+        t0 = time.time()
+        record = finished[name] = train(os.path.join(out_dir, name), args, f"[{i}/{len(runs)}]")
+        if record is not None:
+            took.append(time.time() - t0)
+            causal = record.get('val_ce_causal')
+            left = len(runs) - len(finished)
+            eta = np.mean(took) * left / min(jobs, max(1, left)) if left else 0
+            say(f"[{i}/{len(runs)}] {name}: val ce {record['val_ce']:.4f}" +
+                (f" (causal {causal:.4f})" if causal is not None else '') +
+                f", {record['time']:.0f} s; {len(finished)} done, {left} to go" +
+                (f", about {eta / 60:.0f} min left" if left else '') +
+                f" ({(time.time() - start) / 60:.0f} min so far)")
+        return name
+
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        for i, (_, _, _, name, args, after) in enumerate(runs, 1):
+            futures[name] = pool.submit(one, i, name, args, after)
+        done, _ = wait(futures.values(), return_when=FIRST_EXCEPTION)
+        failed = next((f.exception() for f in done if f.exception()), None)
+        if failed is not None:  # at once: no new run starts, those under way stop, saved
+            stop('a run failed')
+            pool.shutdown(cancel_futures=True)
+            raise failed
+    if stopping:
+        n = sum(record is not None for record in finished.values())
+        raise SystemExit(f"{stopping[0]}: stopped the sweep with {n} of {len(runs)} runs "
+                         f"finished; the runs under way saved their checkpoints. Run the same "
+                         f"command again to finish it.")
+    return finished
+
+
+def rows_of(runs, finished, ks):
+    """A row per (group, K) over its seeds, paired with topk's and with the dense FFN of the
+    row's active parameters."""
+    by_group = {}
+    for group, k, seed, name, _, _ in runs:
+        if group is not None:
+            by_group.setdefault((group, k), {})[seed] = dict(finished[name], name=name)
+
+    def offline(key):  # {seed: val CE, offline routing} of the group's runs at key
+        return {s: f['val_ce_offline'] for s, f in by_group.get(key, {}).items()}
+    rows, none = [], dict(mean=None, low=None, high=None, n=0)
+    for k in ks:
+        for group in [g for g, gk in by_group if gk == k] + [g for g, gk in by_group if gk is None]:
+            key = (group, k) if (group, k) in by_group else (group, None)
+            per_seed, (router, kind) = by_group[key], group
+            finals = [per_seed[s] for s in sorted(per_seed)]
+            causal = {s: f['val_ce_offline'] if f['val_ce_causal'] is None else f['val_ce_causal']
+                      for s, f in per_seed.items()}
+            ref = offline((('topk', 'train' if router == 'dense' else kind), k))
+            d_off = paired_difference(offline(key), ref) if router != 'topk' else none
+            d_causal = paired_difference(causal, ref) if router != 'topk' else none
+            d_dense = (paired_difference(causal, offline((('dense', 'active'), k)))
+                       if group != ('dense', 'active') else none)
+            label = (f"dense, = {kind} params (FFN {finals[0]['mlp_dim']})" if router == 'dense'
+                     else router + ('' if kind == 'train' else ' (training-free)') +
+                     (' (fine-tuned)' if finetune and kind == 'train' else ''))
+            offline_s, offline_mean = mean_std(offline(key).values())
+            causal_s, causal_mean = mean_std([f['val_ce_causal'] for f in finals])
+            experts = [f['experts_mean'] for f in finals if f.get('experts_mean') is not None]
+            trained = [f['experts_trained'] for f in finals if f.get('experts_trained') is not None]
+            rows.append(dict(
+                row=label, router=router, kind=kind, K=k, seeds=len(finals),
+                sparsity=f"{k}/{finals[0]['n_exp']}" if router != 'dense' else '',
+                params=finals[0].get('params'), active_params=finals[0].get('active_params'),
+                val_ce=offline_s, val_ce_mean=offline_mean, val_ce_causal=causal_s,
+                val_ce_causal_mean=causal_mean, diff_vs_topk=d_off['mean'], diff_low=d_off['low'],
+                diff_high=d_off['high'], diff_n=d_off['n'], diff_causal_vs_topk=d_causal['mean'],
+                diff_causal_low=d_causal['low'], diff_causal_high=d_causal['high'],
+                diff_vs_dense=d_dense['mean'], diff_dense_low=d_dense['low'],
+                diff_dense_high=d_dense['high'],
+                experts_per_token=float(np.mean(experts)) if experts else None,
+                experts_per_token_trained=float(np.mean(trained)) if trained else None,
+                wall_s=float(np.mean([f['time'] for f in finals]))))
+    return rows
+
+
+def print_table(rows, records):
+    title = (f"Fine-tuning from TopK (K={pretrain_k}, {pretrain_iters} steps)" if finetune
+             else "Pretraining")
+    print(f"\n{title}: {max_iters} steps, seeds {seeds}, `{train_args}`" +
+          (f", fine-tuning with `{finetune_args}`" if finetune and finetune_args else ''))
+    made_at = dict(Counter(record.get('code') or 'unrecorded' for record in records))
+    print("runs made at commit " + ', '.join(f"{c} ({n} runs)" for c, n in made_at.items()) +
+          f"; this table at {code_version() or 'unknown'}")
+    print("Δ = paired difference of final val cross-entropy from topk's at the same K and seed "
+          "(same initialisation, batches and val batches; training-free rows: from topk "
+          "training-free), mean over seeds [95% t-interval]; negative = lower than topk's\n")
+    vs_dense = any(r['diff_vs_dense'] is not None for r in rows)
+    if vs_dense:
+        print("Δ vs dense: the same, from the dense FFN with the row's active parameters (causal "
+              "routing)\n")
+
+    def diff(r, mean, low, high):
+        return format_difference(dict(mean=r[mean], low=r[low], high=r[high]))
+    table = []
+    for r in rows:
+        params = (f"{r['params'] / 1e6:.2f}M ({r['active_params'] / 1e6:.2f}M)" if r['params']
+                  else '')
+        experts = f"{r['experts_per_token']:.2f}" if r['experts_per_token'] is not None else 'dense'
+        trained = r['experts_per_token_trained']
+        trained = (f"{trained:.2f}" if trained is not None
+                   else 'dense' if r['router'] == 'dense' else '')
+        table.append([r['row'], r['K'] or '', r['sparsity'], params, r['val_ce'],
+                      r['val_ce_causal'] or 'same',
+                      diff(r, 'diff_vs_topk', 'diff_low', 'diff_high'),
+                      diff(r, 'diff_causal_vs_topk', 'diff_causal_low', 'diff_causal_high'),
+                      *[diff(r, 'diff_vs_dense', 'diff_dense_low', 'diff_dense_high')] * vs_dense,
+                      experts, trained, f"{r['wall_s']:.0f}"])
+    markdown(['row', 'K', 'K/N', 'params (active)', 'val CE (offline routing)',
+              'val CE (causal routing)', 'Δ vs topk (offline)', 'Δ vs topk (causal)',
+              *['Δ vs dense, = active params'] * vs_dense, 'experts/token (eval)',
+              'experts/token (training)', 'wall s/run'], table)
+    return made_at
+
+
+def main():
+    configure(globals(), sys.argv[1:], RULES)
+    ks, seed_list = [int(k) for k in top_ks.split(',')], [int(s) for s in seeds.split(',')]
+    router_list = routers.split(',')
+    if router_list[0] != 'topk':
+        fail("--routers must start with topk: the paired differences are against it")
+    if dense and finetune:
+        fail("dense rows compare pretraining runs (a dense model has no routing to fine-tune)")
+    os.makedirs(out_dir, exist_ok=True)
+    if not lock(os.path.join(out_dir, LOCK)):
+        fail(f"--out_dir={out_dir} is in use by a live sweep "
+             f"({lock_holder(os.path.join(out_dir, LOCK)) or 'just ended'}); wait for it to end "
+             f"or stop it, or give another --out_dir")
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: stop(signal.Signals(signum).name))
+    start = time.time()
+    runs = plan(ks, seed_list, router_list, script_settings(TRAIN, train_args.split()))
+    check_reuse(runs)
+    finished = run_all(runs)
+    rows = rows_of(runs, finished, ks)
+    records = [dict(finished[name], name=name, kind=group[1] if group else 'pretrain', seed=seed)
+               for group, _, seed, name, _, _ in runs]
+    made_at = print_table(rows, records)
+    with written(os.path.join(out_dir, 'sweep.json')) as tmp, open(tmp, 'w') as f:
+        json.dump(dict(rows=rows, runs=records, code=code_version(), runs_code=made_at,
+                       train_args=train_args, max_iters=max_iters, seeds=seeds,
+                       finetune=finetune, pretrain_k=pretrain_k, pretrain_iters=pretrain_iters,
+                       finetune_args=finetune_args, dense=dense), f, indent=2)
+    with written(os.path.join(out_dir, 'sweep.csv')) as tmp, open(tmp, 'w', newline='') as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    print(f"\nwrote {out_dir}/sweep.json and sweep.csv ({time.time() - start:.0f}s)")
+
+
+if __name__ == '__main__':
+    main()
