@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from configurator import fail
 from model import ARCHITECTURE, GPTConfig
 
 MODEL_KEYS = [f.name for f in fields(GPTConfig)]  # the settings a checkpoint's model_args hold
@@ -240,7 +241,7 @@ def load(path, keys=('model', 'model_args', 'meta'), quiet=False):
     """The checkpoint dict at path, with at least `keys`, or one error line (quiet: exit 1, as
     torchrun's other ranks do). On the CPU: the RNG states must stay CPU tensors."""
     def refuse(why):
-        raise SystemExit(1) if quiet else SystemExit(f"error: {path} {why}")
+        fail(f"{path} {why}", quiet)
     if os.path.getsize(path) == 0:
         refuse("is empty, not a checkpoint")
     try:
@@ -336,8 +337,7 @@ def load_weights(model, ckpt, path, quiet=False):
         why = next((line.strip() for line in str(e).splitlines() if 'size mismatch' in line),
                    str(e))[:200]
     if why:
-        raise SystemExit(1) if quiet else SystemExit(
-            f"error: {path} has weights that do not fit its model_args ({why})")
+        fail(f"{path} has weights that do not fit its model_args ({why})", quiet)
 
 
 # -----------------------------------------------------------------------------
@@ -441,7 +441,7 @@ class Run:
     # how it stops
 
     def fail(self, message):  # under torchrun rank 0 alone says it
-        raise SystemExit(f"error: {message}" if self.master else 1)
+        fail(message, quiet=not self.master)
 
     def resume_command(self):
         args = [a for a in sys.argv[1:] if not a.startswith(('--init_from=', '--overwrite='))]

@@ -21,9 +21,10 @@ import torch
 TYPE_NAMES = {bool: 'True or False', int: 'an integer', float: 'a number', str: 'text'}
 
 
-def fail(message):
-    """The one way a script stops on bad input: one line on stderr, no traceback."""
-    raise SystemExit(f"error: {message}")
+def fail(message, quiet=False):
+    """The one way a script stops on bad input: one line on stderr, no traceback (quiet: exit 1
+    without it, as torchrun's other ranks do)."""
+    raise SystemExit(1 if quiet else f"error: {message}")
 
 
 def settings_block(path, dataclass=None):
