@@ -32,11 +32,14 @@ if [ "${2:-}" = --cpu ]; then
          --new_tokens=16 --contexts=16 --steps_at_context=8 --decode_ways=eager)
   model=("$root/config/tiny.py" --max_iters=4 --eval_interval=4 --eval_iters=1)
   sweep_args="$root/config/tiny.py --dataset=shakespeare --eval_interval=4 --eval_iters=1"
+  decode=()
   iters=4
   scale=8  # cold compiles on a laptop's cores, not a GPU's seconds
 else
   device=(--device=cuda --dtype=bfloat16)
   sizes=()
+  # 128 tokens and one long context: the compiles (three, cold) take most of the part's time
+  decode=(--new_tokens=128 --contexts=960 --steps_at_context=32)
   model=(--max_iters=300)
   sweep_args="--dataset=shakespeare --n_layer=6 --n_head=8 --n_embd=256 --n_exp=64 --exp_dim=32
     --block_size=256 --batch_size=16 --learning_rate=1e-3 --min_lr=1e-4 --warmup_iters=30
@@ -56,11 +59,12 @@ part() {  # part NAME SECONDS COMMAND...: the command under a timeout, its outpu
 python -c "import sys, torch; print(torch.__version__, sys.version.split()[0],
   torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU')" > "$out/versions.txt"
 bench=(python "$root/bench.py" "${device[@]}")  # --cpu: tiny sizes last, so that they win
-part tests 45 python -m pytest -q -k cuda "$root/tests/test_model.py" \
+part tests 70 python -m pytest -q -rs -k cuda "$root/tests/test_model.py" \
   "$root/tests/test_decoding.py" "$root/tests/test_faults.py"
-part bench-train 35 "${bench[@]}" --what=train --out_dir="$out/bench-train" "${sizes[@]}"
-part bench-moe 25 "${bench[@]}" --what=moe --out_dir="$out/bench-moe" "${sizes[@]}"
-part bench-decode 60 "${bench[@]}" --what=decode --out_dir="$out/bench-decode" "${sizes[@]}"
+part bench-train 30 "${bench[@]}" --what=train --out_dir="$out/bench-train" "${sizes[@]}"
+part bench-moe 20 "${bench[@]}" --what=moe --out_dir="$out/bench-moe" "${sizes[@]}"
+part bench-decode 75 "${bench[@]}" --what=decode --out_dir="$out/bench-decode" "${decode[@]}" \
+  "${sizes[@]}"
 part bench-train-compiled 45 "${bench[@]}" --what=train --compile=True --sizes=default \
   --routers=topk,seqtopk --out_dir="$out/bench-train-compiled" "${sizes[@]}"
 part bench-moe-compiled 25 "${bench[@]}" --what=moe --compile=True \

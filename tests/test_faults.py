@@ -221,7 +221,7 @@ def test_under_torchrun_a_bad_checkpoint_is_said_once(workdir):
 
 
 @pytest.mark.skipif(torch.cuda.device_count() != 1, reason="needs exactly one CUDA GPU")
-def test_torchrun_with_more_processes_than_gpus_is_one_line():
+def test_cuda_torchrun_with_more_processes_than_gpus_is_one_line():
     result = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--standalone',
                              '--nproc_per_node=2', os.path.join(REPO, 'train.py'), TINY,
                              '--device=cuda', '--out_dir=ddp-gpus'],

@@ -493,6 +493,25 @@ def test_the_gpu_script_runs_every_part_on_the_cpu_with_tiny_sizes(prepared, tmp
     assert 'Δ vs topk (causal)' in (out / 'sweep.log').read_text()
 
 
+def test_the_gpu_script_runs_every_test_that_needs_a_gpu():
+    # gpu.sh runs `pytest -k cuda` on the files it names: a test that skips without a GPU but is
+    # not selected there would run nowhere
+    import importlib
+    script = open(os.path.join(REPO, 'experiments', 'gpu.sh')).read().replace('\\\n', ' ')
+    tests_line = next(line for line in script.splitlines() if line.startswith('part tests '))
+    needs_gpu = []
+    for name in sorted(os.listdir(os.path.join(REPO, 'tests'))):
+        if name.startswith('test_') and name.endswith('.py'):
+            module = importlib.import_module(name[:-3])
+            needs_gpu += [(name, test) for test, fn in vars(module).items()
+                          if test.startswith('test_') and any(
+                              'CUDA' in mark.kwargs.get('reason', '')
+                              for mark in getattr(fn, 'pytestmark', []))]
+    assert len(needs_gpu) >= 5 and '-k cuda' in tests_line
+    for name, test in needs_gpu:
+        assert 'cuda' in test and f'tests/{name}' in tests_line, (name, test)
+
+
 def test_bench_times_the_routing_alone(tmp_path):
     result = run('bench.py', '--what=route', '--repeats=1', f'--out_dir={tmp_path}', cwd=tmp_path)
     assert result.returncode == 0, result.stderr
