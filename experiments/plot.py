@@ -245,7 +245,8 @@ def selection_figure(scores, masks, titles, rows_per_sequence=None):
     fig, axes = plt.subplots(1, len(masks), figsize=(3.2 * len(masks), 0.42 * T + 1.9),
                              sharey=True, squeeze=False)
     for ax, mask, title in zip(axes[0], masks, titles):
-        ax.imshow(scores, cmap='Blues', vmin=0, vmax=float(scores.max()) * 1.25, aspect='auto')
+        ax.imshow(scores.numpy(), cmap='Blues', vmin=0, vmax=float(scores.max()) * 1.25,
+                  aspect='auto')
         for t in range(T):
             for i in range(N):
                 ax.text(i, t, f"{float(scores[t, i]):.2f}"[1:], ha='center', va='center',

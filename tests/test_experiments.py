@@ -454,6 +454,8 @@ def test_a_sweep_run_that_exits_without_finishing_is_reported_failed_in_one_line
     assert not (workdir / 'unfinished' / 'sweep.json').exists()
 
 
+# NumPy 2 warns where matplotlib converts a tensor without a copy keyword; a later NumPy raises
+@pytest.mark.filterwarnings('error:__array__ implementation:DeprecationWarning')
 def test_the_pictures_that_explain_routing_show_each_router_s_selection(
         workdir, tmp_path, drawn, monkeypatch):
     import plot
