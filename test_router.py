@@ -275,6 +275,13 @@ def test_windowtopk_on_one_sequence_is_seqtopk_without_bounds_plus_each_token_s_
         assert torch.equal(windowtopk_mask(scores, 2, floor), want)
 
 
+def test_windowtopk_routed_online_still_gives_every_token_its_floor():
+    # causal evaluation and decoding route windowtopk by Eq. 7 with its floor as the lower bound
+    router = ROUTERS['windowtopk'](tiny_config('windowtopk', n_exp=8, top_k=4, window_floor=2))
+    taken = router.select(random_scores(2, 16, 8, seed=4), None, online=True).sum(-1)  # (B, T)
+    assert taken.min() >= 2 and taken.max() > 4
+
+
 def test_windowtopk_ranks_windows_of_positions_across_the_batch_as_megatron_lays_them_out():
     from router import windowtopk_mask
     B, T, N, k = 4, 8, 8, 2
@@ -325,6 +332,16 @@ def test_batchtopk_evaluation_does_not_depend_on_the_rest_of_the_batch():
     torch.testing.assert_close(alone_logits[0], batch_logits[0], rtol=1e-5, atol=1e-5)
 
 
+def test_batchtopk_s_first_training_step_sets_its_threshold_and_later_steps_move_it():
+    router = ROUTERS['batchtopk'](tiny_config('batchtopk', n_exp=4, top_k=1))
+    router.select(torch.full((2, 8, 4), 0.5), None, False)
+    router.after_step([router])
+    assert router.threshold.item() == 0.5  # the smallest selected score itself, not 1% of it
+    router.select(torch.full((2, 8, 4), 0.7), None, False)
+    router.after_step([router])
+    assert router.threshold.item() == pytest.approx(0.99 * 0.5 + 0.01 * 0.7)  # an EMA step
+
+
 def test_batchtopk_keeps_a_threshold_at_or_below_zero_once_a_training_step_set_it():
     # relu scores (and a balance bias on the choice) make thresholds <= 0 real ones
     router = ROUTERS['batchtopk'](tiny_config('batchtopk', score_func='relu', n_exp=4, top_k=1))
@@ -355,17 +372,17 @@ def test_relu_routing_moves_the_active_fraction_toward_k_over_n():
 
 
 def test_remoe_regulariser_is_the_switch_formula_on_the_relu_gates():
-    # hand computation: 4 tokens, 3 experts, K=1: N * sum_e mean_t(gate_e) * tokens_e / (tokens * K)
+    # hand computation: 4 tokens, 3 experts, K=2: N * sum_e mean_t(gate_e) * tokens_e / (tokens * K)
     gates = torch.tensor([[0.5, 0.0, 0.0], [0.2, 0.4, 0.0], [0.0, 0.0, 0.0], [0.3, 0.0, 0.8]],
                          requires_grad=True)
     mask = gates > 0
     mean_gate, tokens = [0.25, 0.1, 0.2], [3, 1, 1]
-    expected = 3 * sum(g * n for g, n in zip(mean_gate, tokens)) / (4 * 1)
-    value = switch_balance(gates, mask, 1)
+    expected = 3 * sum(g * n for g, n in zip(mean_gate, tokens)) / (4 * 2)
+    value = switch_balance(gates, mask, 2)
     assert value.item() == pytest.approx(expected)
     # an L1 on each gate, weighted by its expert's token count: busy experts shrink most
     value.backward()
-    assert torch.allclose(gates.grad, torch.tensor([3.0, 1.0, 1.0]).expand(4, 3) * 3 / (4 * 4))
+    assert torch.allclose(gates.grad, torch.tensor([3.0, 1.0, 1.0]).expand(4, 3) * 3 / (4 * 4 * 2))
 
 
 def test_relu_loss_is_lambda_times_remoe_regulariser_alone():
@@ -520,6 +537,15 @@ def test_seqtopk_gives_a_token_with_more_experts_more_gate_mass():
                                torch.ones(4, 64))
 
 
+def test_the_router_z_loss_is_the_mean_squared_log_sum_exp_of_the_logits():
+    # ST-MoE's z-loss, alone with balance='none'
+    router = ROUTERS['topk'](tiny_config('topk', n_exp=8, balance='none', z_loss_weight=0.5))
+    x = torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(0))
+    logits = x @ router.gate.weight.t()
+    assert router(x)[3].item() == pytest.approx(
+        0.5 * logits.logsumexp(-1).square().mean().item(), rel=1e-5)
+
+
 @pytest.mark.parametrize("router_name", ["topk", "seqtopk", "batchtopk"])
 def test_the_balance_bias_changes_which_experts_are_chosen_never_the_gate_values(router_name):
     torch.manual_seed(0)
@@ -532,6 +558,9 @@ def test_the_balance_bias_changes_which_experts_are_chosen_never_the_gate_values
     assert not mask[..., 5].all() and biased_mask[..., 5].all()
     torch.testing.assert_close(biased_scores, scores)  # the scores, and so the gates, are unbiased
     torch.testing.assert_close(biased_weights, router.route_scale * scores * biased_mask)
+    load = router.expert_load.clone()
+    router.eval()(x)
+    assert torch.equal(router.expert_load, load)  # the bias follows the training load alone
 
 
 def test_balance_bias_lowers_the_load_cv_of_a_skewed_router_over_training():
