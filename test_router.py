@@ -473,6 +473,7 @@ def test_dense_layers_between_moe_layers():
     model = GPT(tiny_config('seqtopk', moe_every=2))
     _, _, aux = model(torch.zeros(1, 8, dtype=torch.long))
     assert len(aux['routing']) == 1  # 2 layers, every second one MoE
+    assert [type(block.ffn).__name__ for block in model.transformer.h] == ['MLP', 'MoE']
 
 
 def test_a_new_router_is_one_function_a_small_class_and_a_row_in_the_table(monkeypatch):

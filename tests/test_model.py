@@ -389,3 +389,12 @@ def test_a_word_piece_vocabulary_is_padded_to_a_multiple_of_64_and_never_sampled
         assert model(idx)[0].shape == (1, 1, 50257)
         assert model(idx, idx)[0].shape == (1, 4, 50304)
     assert GPT(tiny_config('topk', vocab_size=76)).lm_head.weight.shape[0] == 76  # characters
+
+
+def test_the_output_layer_is_the_token_embedding_and_active_params_count_top_k_experts():
+    # GPT-2's weight tying; active: what one token runs, top_k of each MoE layer's n_exp experts
+    cfg = tiny_config('topk', n_exp=8, top_k=2)
+    model = GPT(cfg)
+    assert model.lm_head.weight is model.transformer.wte.weight
+    expert = 2 * cfg.n_embd * cfg.exp_dim  # its w_fc and w_proj
+    assert model.num_params() - model.num_params(active=True) == len(model.routers()) * 6 * expert
