@@ -50,6 +50,32 @@ def test_one_seed_gives_a_difference_and_no_interval():
     assert format_difference(d) == '+0.2000 (1 seed: no interval)'
 
 
+def test_the_routing_statistics_train_logs_are_the_paper_s_measures_computed_by_hand():
+    import torch
+    from stats import add_counts, routing_counts, routing_stats, routing_summary
+    # one MoE layer, one sequence of 3 tokens, 4 experts, K=2: the tokens take 3, 1 and 1 experts
+    masks = torch.tensor([[[[1, 1, 1, 0], [1, 0, 0, 0], [0, 0, 0, 1]]]], dtype=torch.bool)
+    entropy = torch.tensor([[0.05, 0.1, 1.0]])  # (B, T): bins [0, 1/3), [1/3, 2/3), [2/3, 1]
+    counts = routing_counts(masks, entropy, k=2, bins=3)
+    assert counts['hist'].tolist() == [[0, 2, 0, 1, 0]]  # tokens that took 0..4 experts
+    assert counts['load'].tolist() == [[2, 1, 1, 1]]  # tokens per expert
+    assert counts['by_position'].tolist() == [3.0, 1.0, 1.0]
+    assert counts['bin_count'].tolist() == [2, 0, 1] and counts['bin_experts'].tolist() == [4, 0, 1]
+    assert counts['overspend'] == 1  # token 1 alone took 3 of the 2 its prefix may
+    twice = add_counts(counts, counts)
+    assert twice['hist'].tolist() == [[0, 4, 0, 2, 0]] and twice['overspend'] == 1  # the worst
+    layer = routing_stats(counts['hist'][0], counts['load'][0])
+    share = torch.tensor([2, 1, 1, 1]) / 5
+    assert (layer['experts_mean'], layer['experts_min'], layer['experts_max']) == (
+        pytest.approx(5 / 3), 1, 3)  # per token, not per count seen
+    assert layer['load_cv'] == pytest.approx(0.1875 ** 0.5 / 1.25)  # population std / mean
+    assert layer['entropy'] == pytest.approx(float(-(share * share.log()).sum() / math.log(4)))
+    assert layer['dead_experts'] == 0
+    summary = routing_summary(counts, batches=1)
+    assert summary['experts_by_entropy'] == [2.0, 0.0, 1.0]  # an empty bin: 0, not NaN
+    assert summary['prefix_overspend'] == 1
+
+
 # -----------------------------------------------------------------------------
 # sweeps, end to end on the tiny preset (seconds)
 
