@@ -67,6 +67,26 @@ def test_cached_generation_gives_the_recomputed_tokens_and_routing_past_the_cont
         assert all(torch.equal(x, y) for x, y in zip(a, b))
 
 
+def test_a_full_context_starts_again_at_its_last_half():
+    model = GPT(tiny_config('topk', block_size=8)).eval()
+    prompt = torch.randint(0, 16, (1, 5), generator=torch.Generator().manual_seed(1))
+    fed = []  # the tokens each step runs through the model
+    generate(model, prompt, 12, temperature=0,
+             on_token=lambda routing: fed.append(routing[0][0].shape[1]))
+    # the prompt, cached steps up to block_size tokens, then its last block_size // 2 again, ...
+    assert fed == [5, 1, 1, 1, 4, 1, 1, 1, 1, 4, 1, 1]
+
+
+def test_sampling_at_a_tiny_temperature_or_from_the_top_token_alone_is_greedy():
+    torch.manual_seed(0)
+    model = GPT(tiny_config('topk')).eval()  # untrained: near-uniform next-token logits
+    prompt = torch.randint(0, 16, (2, 5), generator=torch.Generator().manual_seed(1))
+    greedy_tokens = generate(model, prompt, 20, temperature=0)
+    assert torch.equal(generate(model, prompt, 20, temperature=1.0, sample_top_k=1), greedy_tokens)
+    assert torch.equal(generate(model, prompt, 20, temperature=1e-6), greedy_tokens)
+    assert not torch.equal(generate(model, prompt, 20, temperature=1.0), greedy_tokens)
+
+
 def test_a_model_whose_context_is_one_token_generates_alike_both_ways():
     torch.manual_seed(0)
     model = GPT(tiny_config('seqtopk', block_size=1)).eval()

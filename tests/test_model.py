@@ -198,6 +198,19 @@ def test_the_exact_budgets_dispatch_with_static_shapes_equal_to_the_dynamic_path
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+def test_seqtopk_trained_by_the_online_rule_counts_its_pairs_and_equals_the_plain_model():
+    # --seq_causal=True: a prefix may spend more or less than m*K, so no pair count is known ahead
+    torch.manual_seed(0)
+    plain = GPT(tiny_config('seqtopk', seq_causal=True))
+    model = fast.paths(plain)
+    x, y = next(counting_batches(seed=7))
+    assert [fast.exact_pairs(r, x.numel()) for r in model.routers()] == [None, None]
+    fast_step, plain_step = train_step(model, x, y), train_step(plain, x, y)
+    torch.testing.assert_close(fast_step[0], plain_step[0])
+    for a, b in zip(fast_step[1], plain_step[1]):
+        torch.testing.assert_close(a, b)
+
+
 @pytest.mark.parametrize("router", ["topk", "mrltopk", "seqtopk", "batchtopk"])
 def test_a_training_step_of_the_exact_budgets_never_waits_on_a_data_dependent_size(
         router, monkeypatch):
