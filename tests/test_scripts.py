@@ -323,6 +323,22 @@ def test_a_k_schedule_sets_training_s_experts_per_token_by_step_and_the_log_show
     assert 'only topk, mrltopk' in one_error_line(refused)
 
 
+def test_the_log_shows_warmup_then_cosine_decay_to_min_lr_and_mrltopk_drawing_k_each_step(workdir):
+    out = workdir / 'out-lr'
+    result = run('train.py', TINY, '--router=mrltopk', '--top_k=4', '--learning_rate=1e-2',
+                 '--min_lr=1e-3', '--warmup_iters=4', '--lr_decay_iters=14', '--max_iters=16',
+                 '--log_interval=1', f'--out_dir={out}', cwd=workdir)
+    assert result.returncode == 0, result.stderr
+    train = [r for r in map(json.loads, open(out / 'log.jsonl')) if r['event'] == 'train']
+    lr = {r['iter'] - 1: r['lr'] for r in train}  # a line logs the step just taken
+    assert [lr[step] for step in range(4)] == pytest.approx([2e-3, 4e-3, 6e-3, 8e-3])  # warmup
+    assert lr[4] == pytest.approx(1e-2)  # the peak, then the cosine
+    assert lr[9] == pytest.approx(1e-3 + 0.5 * (1e-2 - 1e-3))  # half-way down
+    assert lr[14] == pytest.approx(1e-3) and lr[15] == pytest.approx(1e-3)  # min_lr from then on
+    # MRL-TopK: each layer's k drawn from {2, 4} each step, so the spend moves from step to step
+    assert len({r['experts'] for r in train}) > 1
+
+
 # -----------------------------------------------------------------------------
 # scale: DDP, exact resume, atomic checkpoints
 
