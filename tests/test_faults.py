@@ -269,8 +269,8 @@ def test_a_damaged_data_folder_is_one_line_naming_the_file_and_the_command_that_
                          'meta.json cannot be read'),
         'foreign_meta': (lambda d: (d / 'meta.json').write_text('{"vocab_size": 65}'),  # not ours
                          'meta.json is not a meta.json written by prepare.py'),
-        'short': (lambda d: os.truncate(d / 'val.bin', 40),
-                  'val.bin has 20 tokens, too few for block_size=32'),
+        'short': (lambda d: os.truncate(d / 'val.bin', 64),  # a context, but not its targets
+                  'val.bin has 32 tokens, too few for block_size=32'),
     }
     for name, (damage, message) in cases.items():
         folder = tmp_path / 'data' / name
@@ -452,15 +452,18 @@ def test_a_data_folder_is_read_as_json_only_so_a_pickle_made_to_run_code_runs_no
 def test_token_ids_past_the_vocabulary_are_one_line_naming_the_file_the_id_and_the_command(
         workdir, tmp_path):
     import numpy as np
-    mixed = tmp_path / 'data' / 'mixed'
-    shutil.copytree(workdir / 'data' / 'shakespeare_char', mixed)
-    ids = np.fromfile(mixed / 'train.bin', dtype=np.uint16)
-    ids[123_456] = 50256  # a GPT-2 id in a character folder (another tokenizer wrote it)
-    ids.tofile(mixed / 'train.bin')
-    line = one_error_line(run('train.py', TINY, '--dataset=mixed', '--out_dir=out', cwd=tmp_path))
-    assert ('data/mixed/train.bin holds token id 50256, past the vocabulary of 76 ids in meta.json'
-            in line)
-    assert '`python prepare.py --text=FILE --dataset=mixed`' in line
+    # a GPT-2 id in a character folder (another tokenizer wrote it), and the first id past 75
+    for name, bad in (('mixed', 50256), ('one_past', 76)):
+        folder = tmp_path / 'data' / name
+        shutil.copytree(workdir / 'data' / 'shakespeare_char', folder)
+        ids = np.fromfile(folder / 'train.bin', dtype=np.uint16)
+        ids[123_456] = bad
+        ids.tofile(folder / 'train.bin')
+        line = one_error_line(run('train.py', TINY, f'--dataset={name}', '--out_dir=out',
+                                  cwd=tmp_path))
+        assert (f'data/{name}/train.bin holds token id {bad}, past the vocabulary of 76 ids in '
+                f'meta.json' in line)
+        assert f'`python prepare.py --text=FILE --dataset={name}`' in line
 
 
 def test_fine_tuning_on_data_whose_same_size_vocabulary_means_other_characters_is_one_line(

@@ -14,7 +14,8 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import OFFLINE_ENV, REPO, TINY, exit_message, one_error_line, run
+from conftest import (OFFLINE_ENV, REPO, TINY, exit_message, one_error_line, run,
+                      tiny_config)
 
 # -----------------------------------------------------------------------------
 # settings
@@ -120,6 +121,18 @@ def test_a_bad_setting_is_one_line_on_stderr_and_no_traceback(workdir):
 def test_bench_and_sweep_settings_are_checked_too(script, arg, allowed, monkeypatch):
     assert exit_message(script, [arg], monkeypatch).startswith(f"error: {arg} must be {allowed}")
 
+
+def test_a_whole_number_sets_a_float_setting_and_a_preset_s_private_names_stay_its_own(tmp_path):
+    from configurator import configure
+    script = tmp_path / 'script.py'  # a script's settings block, as train.py's
+    script.write_text("# ---\nlearning_rate = 2e-3\nn_embd = 32\n# ---\n")
+    preset = tmp_path / 'preset.py'
+    preset.write_text("_width = 16\nn_embd = 4 * _width\nlearning_rate = 1\n")  # _: a helper
+    config = dict(__file__=str(script), learning_rate=2e-3, n_embd=32)
+    settings, overridden = configure(config, [str(preset)], {})
+    assert settings == dict(learning_rate=1.0, n_embd=64) and overridden == {'learning_rate',
+                                                                             'n_embd'}
+    assert type(settings['learning_rate']) is float and type(config['learning_rate']) is float
 
 def test_bench_decodes_in_the_dtype_it_is_given(tmp_path):
     kv_bytes = {}
@@ -260,6 +273,28 @@ def test_prepare_without_the_datasets_package_says_what_to_install(tmp_path, mon
     assert line == "error: --source needs the package 'datasets': pip install -r requirements.txt"
 
 
+@pytest.mark.parametrize("arg,message", [
+    ('--val_fraction=0', "--val_fraction=0.0 must be in (0, 1)"),
+    ('--val_fraction=1', "--val_fraction=1.0 must be in (0, 1)"),
+    ('--num_proc=0', "--num_proc=0 must be a positive integer"),
+    ('--dataset=../elsewhere', "--dataset=../elsewhere must be a folder name (letters, digits"),
+])
+def test_prepare_s_bad_arguments_are_one_line_and_write_nothing(arg, message, tmp_path,
+                                                                 monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert exit_message('prepare.py', [arg], monkeypatch).startswith(f"error: {message}")
+    assert os.listdir(tmp_path) == []
+
+
+def test_prepare_removes_an_old_meta_pkl_that_would_describe_other_data(tmp_path, monkeypatch):
+    import prepare
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / 'notes.txt').write_text('to be, or not to be, that is the question\n' * 5)
+    os.makedirs('data/notes_char')
+    (tmp_path / 'data' / 'notes_char' / 'meta.pkl').write_bytes(b'an older layout')
+    assert prepare.main(['--text=notes.txt']) == os.path.join('data', 'notes_char')
+    assert sorted(os.listdir('data/notes_char')) == ['meta.json', 'train.bin', 'val.bin']
+
 def test_the_gpt2_tokenizer_with_neither_its_files_nor_the_network_is_one_line(
         tmp_path, monkeypatch):
     import socket
@@ -310,6 +345,52 @@ def test_train_then_sample_produces_text(workdir):
     assert (result.returncode != 0 and 'longer than the model' in result.stderr
             and 'Traceback' not in result.stderr)
 
+
+def test_a_prompt_is_the_text_or_file_given_and_must_fit_the_context_and_the_vocabulary(
+        workdir, tmp_path, monkeypatch):
+    # run/'s model (config/tiny.py) has a context of 32 tokens: a prompt of 32 characters fits
+    prompt = tmp_path / 'prompt.txt'
+    prompt.write_text('ROMEO:\nWhat light through yonder')
+    assert len(prompt.read_text()) == 32
+    result = run('sample.py', '--out_dir=run', f'--start=FILE:{prompt}', '--max_new_tokens=3',
+                 '--num_samples=1', '--temperature=0', cwd=workdir)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith(prompt.read_text())
+    monkeypatch.chdir(workdir)
+    for start, message in (
+            ('a' * 33, "the prompt is 33 tokens, longer than the model's context of 32; shorten "
+                       "--start"),
+            ('ROMEO\u2603', "characters ['\u2603'] are not in this dataset's vocabulary; change "
+                            "--start"),
+            (f'FILE:{tmp_path}/missing.txt', f"--start=FILE:{tmp_path}/missing.txt: cannot read "
+                                             f"the prompt file (No such file or directory)")):
+        assert exit_message('sample.py', ['--out_dir=run', f'--start={start}'],
+                            monkeypatch) == f"error: {message}"
+
+
+def test_sample_colours_each_token_by_its_experts_and_counts_what_generation_took():
+    import torch
+    from sample import ExpertCounts, colored, shade
+    # blue below top_k, white at top_k, red above, saturated at none and at 2 * top_k
+    assert [shade(n, 2) for n in (0, 1, 2, 3, 4, 6)] == [-1.0, -0.5, 0.0, 0.5, 1.0, 1.0]
+    text = colored([7, 8, 9, 10], [1, 2, 4], lambda ids: f"<{ids[0]}>", top_k=2)
+    assert text.startswith('\033[48;5;33m\033[38;5;16m<7>\033[0m\033[48;5;231m\033[38;5;16m<8>'
+                           '\033[0m\033[48;5;196m\033[38;5;16m<9>\033[0m<10>\n')  # 10: no count
+
+    def routing(*counts):  # per layer (mask (1, tokens, 4 experts), gates): each token's count
+        masks = [(torch.arange(4) < torch.tensor(c)[:, None])[None] for c in counts]
+        return [(mask, mask.float()) for mask in masks]
+    counts = ExpertCounts()
+    counts.add(routing([1, 2, 3], [2, 2, 2]))  # the prompt's 3 tokens, 2 layers
+    counts.add(routing([3], [1]))              # generated tokens, one at a time
+    counts.add(routing([2], [2]))
+    assert counts.per_token() == [1.5, 2.0, 2.5, 2.0, 2.0]
+    assert counts.per_layer().tolist() == [[1, 2, 3, 3, 2], [2, 2, 2, 1, 2]]
+    cfg = tiny_config('topk')
+    assert counts.summary(cfg, 'cached') == (
+        "[topk, top_k=2, cached] experts per generated token: mean 2.00, min 1, max 3, per layer "
+        "[2.5, 1.5], histogram (0..4 experts) [0, 1, 2, 1, 0]; the prompt's 3 tokens took [6, 6] "
+        "per layer")
 
 def test_a_k_schedule_sets_training_s_experts_per_token_by_step_and_the_log_shows_them(workdir):
     out = workdir / 'out-schedule'
