@@ -76,6 +76,55 @@ def test_the_routing_statistics_train_logs_are_the_paper_s_measures_computed_by_
     assert summary['prefix_overspend'] == 1
 
 
+
+def finished_runs(root, router, k, **per_seed):
+    """Folders root/<router>-k<k>-s<seed> holding a finished run's log: its done record (per_seed:
+    {field: [the value for seed 1, seed 2, ...]}), and train records from per_seed['train']."""
+    seeds = len(next(iter(per_seed.values())))
+    for i in range(seeds):
+        folder = root / f'{router}-k{k}-s{i + 1}'
+        folder.mkdir(parents=True)
+        train = [dict(event='train', iter=it, experts=e)
+                 for it, e in per_seed.get('train', [[]] * seeds)[i]]
+        done = dict(event='done', **{key: v[i] for key, v in per_seed.items() if key != 'train'})
+        (folder / 'log.jsonl').write_text(''.join(json.dumps(r) + '\n' for r in train + [done]))
+
+
+def test_the_analyses_behind_the_results_tables_compute_what_they_say_by_hand(tmp_path):
+    import torch
+    from analyze import (binned, char_classes, correlation, equal_compute, relu_schedule,
+                         slope)
+    x = torch.tensor([0.0, 1.0, 2.0, 3.0])
+    assert slope(x, 2 * x + 1) == pytest.approx(2.0) and slope(2 * x + 1, x) == pytest.approx(0.5)
+    assert correlation(x, -x) == pytest.approx(-1.0)
+    # the class of the character each position predicts: a word's first letter, a letter inside
+    # a word, anything else
+    itos = dict(enumerate(' ab.'))
+    inputs, targets = torch.tensor([[0, 1, 2, 2]]), torch.tensor([[1, 2, 3, 0]])  # ' abb' -> 'ab. '
+    assert char_classes(itos, inputs, targets).tolist() == [[0, 1, 2, 2]]
+    # experts per token in equal-count bins of a measure, in the measure's order
+    b = binned(x, -x, x, torch.tensor([1.0, 2.0, 3.0, 4.0]), bins=2)
+    assert b['own'] == dict(x=[0.5, 2.5], experts=[1.5, 3.5], tokens=[2, 2])
+    assert b['topk'] == dict(x=[-2.5, -0.5], experts=[3.5, 1.5], tokens=[2, 2])
+    # relu's spend by step: each log line's experts from the step the line before it, mean over
+    # seeds, rounded, equal neighbours merged
+    finished_runs(tmp_path, 'relu', 4, train=[[(25, 7.6), (50, 4.2), (75, 4.4)],
+                                              [(25, 8.4), (50, 3.8), (75, 3.6)]])
+    assert relu_schedule([str(tmp_path)], 4)[0] == '0:8/25:4'
+    # equal compute: topk at a run's own training spend, between K=2 and K=3 by that spend
+    finished_runs(tmp_path, 'windowtopk', 2, val_ce=[1.50, 1.40], experts_trained=[2.25, 2.75],
+                  experts_mean=[2.0, 2.0])
+    finished_runs(tmp_path, 'topk', 2, val_ce=[1.60, 1.50])
+    finished_runs(tmp_path, 'topk', 3, val_ce=[1.52, 1.44])
+    finished_runs(tmp_path, 'seqtopk', 2, val_ce=[1.55, 1.41])
+    row, = equal_compute([str(tmp_path)], 'windowtopk', [2])
+    at_spend = [0.75 * 1.60 + 0.25 * 1.52, 0.25 * 1.50 + 0.75 * 1.44]
+    assert (row['spend_train'], row['spend_eval'], row['between']) == (2.5, 2.0, (2, 3))
+    assert row['vs_topk']['mean'] == pytest.approx(-0.10)
+    assert row['vs_topk_at_spend']['mean'] == pytest.approx(
+        ((1.50 - at_spend[0]) + (1.40 - at_spend[1])) / 2)
+    assert row['vs_seqtopk']['mean'] == pytest.approx(-0.03)
+
 # -----------------------------------------------------------------------------
 # sweeps, end to end on the tiny preset (seconds)
 
@@ -113,6 +162,11 @@ def test_a_pretraining_sweep_adds_dense_rows_and_paired_differences(workdir):
         mean = sum(diffs) / 2
         return mean, 12.7062 * abs(diffs[0] - diffs[1]) / math.sqrt(2) / math.sqrt(2)
     row = next(r for r in summary['rows'] if r['router'] == 'mrltopk' and r['K'] == 4)
+    runs = [r for r in summary['runs'] if r['name'].startswith('mrltopk-k4-')]
+    for column, field in (('experts_per_token', 'experts_mean'),  # evaluated at K
+                          ('experts_per_token_trained', 'experts_trained')):  # k drawn each step
+        assert row[column] == pytest.approx(sum(r[field] for r in runs) / 2)
+    assert row['experts_per_token_trained'] < 4 == row['experts_per_token']
     mean, half = by_hand('mrltopk-k4', 'topk-k4')
     assert (row['diff_vs_topk'], row['diff_low'], row['diff_high'], row['diff_n']) == \
         (pytest.approx(mean), pytest.approx(mean - half, abs=1e-5),
@@ -157,6 +211,23 @@ def test_a_finetune_sweep_pretrains_per_seed_and_tabulates_training_free_rows(wo
     tuned = next(r for r in summary['runs'] if r['kind'] == 'train' and r['router'] == 'seqtopk')
     assert (tuned['iter'] == 3 and tuned['val_ce_causal'] is not None
             and free['seqtopk']['val_ce_causal'] is not None)
+    # each row against topk of its own kind, its causal column from its causal CE, by hand
+    runs = {(r['router'], r['kind']): r for r in summary['runs']}
+    for kind in ('train', 'training-free'):
+        row = next(r for r in summary['rows'] if r['router'] == 'seqtopk' and r['kind'] == kind)
+        seqtopk, topk = runs[('seqtopk', kind)], runs[('topk', kind)]['val_ce_offline']
+        assert (row['diff_vs_topk'], row['diff_causal_vs_topk']) == (
+            pytest.approx(seqtopk['val_ce_offline'] - topk),
+            pytest.approx(seqtopk['val_ce_causal'] - topk))
+    # the base trained again: every run from it is trained again too, never reused
+    again = run('experiments/sweep.py', *args, '--pretrain_iters=7', '--rerun_changed=True',
+                cwd=workdir)
+    assert again.returncode == 0, again.stderr + again.stdout
+    assert 'ft/ft-seqtopk-k2-s1 was made with other settings: its base reruns' in again.stdout
+    summary = json.load(open(workdir / 'ft' / 'sweep.json'))
+    base = next(r for r in summary['runs'] if r['kind'] == 'pretrain')
+    assert base['iter'] == 7 and all(r['from_run'] == base['run_id'] for r in summary['runs']
+                                     if r['kind'] != 'pretrain')
 
 
 def test_bad_sweep_settings_fail_with_one_line(workdir):
@@ -455,7 +526,10 @@ def test_the_analyses_of_a_finished_sweep_run_and_print_their_tables(workdir, tm
     window = run('experiments/analyze.py', '--window_spend', cwd=workdir)
     assert window.returncode == 0, window.stderr
     spends = [[float(c) for c in line.split('|')[5:7]] for line in window.stdout.splitlines()[2:]]
-    assert len(spends) == 8 and all(1 <= one <= two for one, two in spends)
+    ks = [int(line.split('|')[2]) for line in window.stdout.splitlines()[2:]]
+    # a floor adds at most `floor` experts per token to the window's T·K: 1 + floor / K at most
+    assert len(spends) == 8 and all(1 <= one <= two <= 1 + 2 / k for (one, two), k in zip(spends,
+                                                                                         ks))
     chars = run('experiments/analyze.py', 'parts', '--chars', '--top_ks=2', '--batches=2',
                 f'--out_dir={tmp_path}', cwd=workdir)
     assert chars.returncode == 0, chars.stderr

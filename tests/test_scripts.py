@@ -619,6 +619,32 @@ def test_bench_times_the_routing_alone(tmp_path):
     assert [r['ratio_vs_topk'] for r in route if r['path'] == 'topk'] == [1.0, 1.0]
 
 
+
+def test_bench_reports_medians_after_a_warm_up_ratios_per_round_and_times_per_call(monkeypatch):
+    import bench
+    from model import GPT, GPTConfig
+    clock = iter([9.0, 9.0,  # the warm-up round, left out
+                  1.0, 2.0, 2.0, 3.0, 1.0, 3.0])  # three rounds, base then x in each
+    monkeypatch.setattr(bench, 'timed', lambda fn: (next(clock), None))
+    assert bench.compare({'base': None, 'x': None}, 'base', rounds=3) == {
+        'base': (1.0, 1.0, '1.00-1.00'),
+        'x': (3.0, 2.0, '1.50-3.00')}  # median time; median of the ratios 2, 1.5, 3 per round
+    monkeypatch.setattr(bench, 'timed', lambda fn: (0.002, None))  # every timed run: 2 ms
+    results = dict(route=[], train=[])
+    bench.bench_route(results)  # a timed run is 20 calls: 100 µs per call
+    assert [r['us_per_call'] for r in results['route']] == pytest.approx([100.0] * 12)
+    monkeypatch.setattr(bench, 'sizes', 'tiny')
+    monkeypatch.setattr(bench, 'dtype', 'bfloat16')
+    bench.bench_train(results, gpu='NVIDIA H100 80GB HBM3')  # the H100's bf16 peak: 989 TFLOP/s
+    model = GPT(GPTConfig(**bench.SIZES['tiny']))
+    cfg, tokens = model.config, 16 * model.config.block_size
+    flops = (6 * model.num_params(active=True) + 12 * cfg.n_layer * cfg.n_embd * cfg.block_size)
+    step = 0.002 / bench.train_steps  # a timed run is train_steps steps
+    routers = len(bench.routers.split(','))
+    assert [r['ms_per_step'] for r in results['train']] == pytest.approx([step * 1e3] * routers)
+    assert ([r['mfu'] for r in results['train']]
+            == pytest.approx([flops * tokens / step / 989e12] * routers))
+
 def test_no_script_turns_tf32_on_so_the_routers_fp32_logits_stay_fp32(workdir):
     # TF32 would round the routers' fp32 logits on Ampere and later GPUs ("routers run in fp32")
     driver = (f"import runpy, sys, torch; sys.path.insert(0, {REPO!r}); sys.argv = sys.argv[1:]\n"
