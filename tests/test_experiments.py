@@ -575,6 +575,10 @@ def test_the_pictures_that_explain_routing_show_each_router_s_selection(
     assert topk == seqtopk == 8 * 2 and topk_counts == [2] * 8  # the same compute, T*K = 16
     assert sum(seqtopk_counts) == 16 and set(seqtopk_counts) != {2} and max(seqtopk_counts) <= 4
     assert [boxes for boxes, _ in selections('batch.png')] == [32, 32, 32]  # B*T*K for all three
+    totals = [re.search(r'sequence totals: (\d+), (\d+) experts', ax.get_title()).groups()
+              for ax in drawn['batch.png'].axes]  # topk and seqtopk: T*K each; batchtopk: B*T*K
+    assert totals[:2] == [('16', '16')] * 2 and sum(map(int, totals[2])) == 32
+    assert all(ax.get_title().endswith('total: 16 experts') for ax in drawn['selection.png'].axes)
     offline, online = selections('online.png')
     assert offline[0] == 16 and online[1] != offline[1]  # online routes token m by tokens 1..m
     tokens = drawn['tokens.png'].axes[0]
