@@ -488,6 +488,28 @@ def test_twenty_steps_straight_equal_ten_plus_resumed_ten(workdir, router):
     assert a['train_ce'] == pytest.approx(b['train_ce'], abs=1e-6)
 
 
+def test_a_run_saves_its_last_step_logs_ms_per_step_and_grad_clip_0_is_no_clipping(workdir):
+    # a learning rate too small to move fp32 weights: every evaluation gives the same val loss
+    import torch
+    out = workdir / 'flat'
+    result = run('train.py', TINY, '--learning_rate=1e-12', '--min_lr=0', f'--out_dir={out}',
+                 cwd=workdir)
+    assert result.returncode == 0, result.stderr
+    log = [json.loads(line) for line in open(out / 'log.jsonl')]
+    evals = [r for r in log if r['event'] == 'eval']
+    assert [r['iter'] for r in evals] == [0, 10, 20] and len({r['val_ce'] for r in evals}) == 1
+    assert torch.load(out / 'ckpt.pt', weights_only=True)['iter_num'] == 20
+    # ms/iter is per iteration: the 4 log lines' intervals (log_interval 5) run from the loop's
+    # start to step 20, before the last evaluation ends
+    lines = [r for r in log if r['event'] == 'train']
+    assert len(lines) == 4 and sum(r['ms_per_iter'] * 5 for r in lines) / 1000 < evals[2]['time']
+
+    # --grad_clip=0 is no clipping (clipping at 0 would zero every gradient): the run learns
+    result = run('train.py', TINY, '--grad_clip=0', f'--out_dir={out}-noclip', cwd=workdir)
+    assert result.returncode == 0, result.stderr
+    evals = [json.loads(line) for line in open(f'{out}-noclip/log.jsonl') if '"eval"' in line]
+    assert evals[-1]['val_ce'] < evals[0]['val_ce'] - 0.2
+
 def test_resume_with_another_architecture_is_a_clear_error(workdir):
     out = workdir / 'arch'
     assert run('train.py', os.path.join(REPO, 'config', 'tiny.py'), '--max_iters=2',
