@@ -278,6 +278,11 @@ def decode_in_turns(ways, prompt, steps, recompute_every=1, block=16, recompute=
     return cached, recomputed, idx
 
 
+def speed_ratio(runs, name, base, skip=0):  # name's cached speed over base's: all, each round
+    total = {n: sum(sum(cached[n][skip:]) for cached, *_ in runs) for n in (name, base)}
+    rounds = [sum(cached[base][skip:]) / sum(cached[name][skip:]) for cached, *_ in runs]
+    return total[base] / total[name], f"{min(rounds):.2f}-{max(rounds):.2f}"
+
 def bench_decode(results):
     """Long-context generation: the caches vs recomputing, seqtopk vs topk, the decoding step eager
     and compiled (seqtopk also capped at top_k experts: what its routing and Expert Cache cost),
@@ -305,11 +310,6 @@ def bench_decode(results):
         if not torch.equal(decode_in_turns({name: ways[name]}, prompt, 16)[2][name], generated):
             fail(f"bench's decoding loop and generate() disagree for {name[0]}, {name[1]}")
     decode_in_turns(ways, prompt, 16)  # a warm-up of the turns themselves
-
-    def speed_ratio(runs, name, base, skip=0):  # name's cached speed over base's: all, each round
-        total = {n: sum(sum(cached[n][skip:]) for cached, *_ in runs) for n in (name, base)}
-        rounds = [sum(cached[base][skip:]) / sum(cached[name][skip:]) for cached, *_ in runs]
-        return total[base] / total[name], f"{min(rounds):.2f}-{max(rounds):.2f}"
 
     compiled = (f"; compiled: the decoding step compiled once, cold, in "
                 f"{compile_s[('topk', 'compiled')]:.0f} s for topk and "

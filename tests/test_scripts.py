@@ -671,6 +671,10 @@ def test_bench_reports_medians_after_a_warm_up_ratios_per_round_and_times_per_ca
     assert [r['ms_per_step'] for r in results['train']] == pytest.approx([step * 1e3] * routers)
     assert ([r['mfu'] for r in results['train']]
             == pytest.approx([flops * tokens / step / 989e12] * routers))
+    # decoding: a way's speed over another's is their time's inverse ratio, all rounds together
+    rounds = [({'a': [1.0, 1.0], 'b': [2.0, 2.0]},), ({'a': [1.0, 3.0], 'b': [2.0, 2.0]},)]
+    assert bench.speed_ratio(rounds, 'a', 'b') == (pytest.approx(8 / 6), '1.00-2.00')
+    assert bench.speed_ratio(rounds, 'a', 'b', skip=1) == (pytest.approx(1.0), '0.67-2.00')
 
 def test_no_script_turns_tf32_on_so_the_routers_fp32_logits_stay_fp32(workdir):
     # TF32 would round the routers' fp32 logits on Ampere and later GPUs ("routers run in fp32")
