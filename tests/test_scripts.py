@@ -711,3 +711,25 @@ def test_the_generation_clock_waits_for_the_gpu_it_is_given(monkeypatch):
     for dev in ('cuda', 'cuda:1', 'cpu'):
         sample.synchronize(dev)
     assert calls == ['cuda', 'cuda:1']
+
+
+def test_sample_s_tokens_per_second_count_the_generated_tokens_not_the_prompt(
+        workdir, monkeypatch, capsys):
+    # the prompt's forward made a second slow: the clock, started after it, must not see it
+    import runpy
+    import time
+    from model import GPT
+    forward = GPT.forward
+
+    def slow_prompt(self, idx, *args, **kwargs):
+        if idx.shape[1] > 1:
+            time.sleep(1.0)
+        return forward(self, idx, *args, **kwargs)
+    monkeypatch.setattr(GPT, 'forward', slow_prompt)
+    monkeypatch.chdir(workdir)
+    monkeypatch.setattr(sys, 'argv', ['sample.py', '--out_dir=run', '--start=ROMEO:',
+                                      '--max_new_tokens=4', '--num_samples=1'])
+    runpy.run_path(os.path.join(REPO, 'sample.py'), run_name='__main__')
+    line = next(line for line in capsys.readouterr().out.splitlines()
+                if line.startswith('[4 tokens; the 3 after the first in '))
+    assert float(line.split(' in ')[1].split(' s:')[0]) < 0.5, line
