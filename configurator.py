@@ -28,11 +28,10 @@ def fail(message, quiet=False):
 
 
 def settings_block(path, dataclass=None):
-    """[(name, default, comment)] of the settings block of the script at path (and dataclass's)."""
+    """[(name, comment)] of the settings block of the script at path (and dataclass's)."""
     def entries(code, nodes):
         lines = code.splitlines()
         return [(node.targets[0].id if isinstance(node, ast.Assign) else node.target.id,
-                 ast.get_source_segment(code, node.value),
                  lines[node.lineno - 1][node.end_col_offset:].partition('#')[2].strip())
                 for node in nodes]
     source = open(path).read()
@@ -65,12 +64,12 @@ def configure(config, args, rules, relations=(), dataclass=None):
     """--help, or apply presets and --key=value args to `config` (the script's globals()) and
     check them (rules, relations). Returns the settings and the names the args set."""
     block = [entry for entry in settings_block(config['__file__'], dataclass) if entry[0] in config]
-    if {'--help', '-h'} & set(args):
+    if {'--help', '-h'} & set(args):  # each setting's default value, not the code that makes it
         print((config.get('__doc__') or '').strip() + "\n\nsettings (--key=value, or a preset "
-              "file of them):\n" + '\n'.join(f"  --{name}={default}" + f"  # {comment}" * bool(
-                  comment) for name, default, comment in block))
+              "file of them):\n" + '\n'.join(f"  --{name}={config[name]!r}" + f"  # {comment}" *
+                                              bool(comment) for name, comment in block))
         sys.exit(0)
-    known, overridden = [name for name, _, _ in block], set()
+    known, overridden = [name for name, _ in block], set()
     for arg in args:
         if arg.startswith('--'):
             key, sep, raw = arg[2:].partition('=')

@@ -7,6 +7,7 @@ import ast
 import glob
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -138,6 +139,31 @@ def test_a_whole_number_sets_a_float_setting_and_a_preset_s_private_names_stay_i
     assert settings == dict(learning_rate=1.0, n_embd=64) and overridden == {'learning_rate',
                                                                              'n_embd'}
     assert type(settings['learning_rate']) is float and type(config['learning_rate']) is float
+
+
+@pytest.mark.parametrize("script", ['train.py', 'sample.py', 'bench.py', 'experiments/sweep.py'])
+def test_help_lists_every_setting_with_its_default_value_and_comment(script, monkeypatch, capsys):
+    import runpy
+    from ast import literal_eval
+    from sweep import script_settings  # the settings a script runs with, read without running it
+    monkeypatch.setattr(sys, 'argv', [script, '--help'])
+    with pytest.raises(SystemExit) as stopped:
+        runpy.run_path(os.path.join(REPO, script), run_name='__main__')
+    assert stopped.value.code == 0
+    out = capsys.readouterr().out
+    defaults = script_settings(os.path.join(REPO, script))
+    lines = [line[4:].split('  # ')[0].split('=', 1) for line in out.splitlines()
+             if line.startswith('  --')]
+    block = open(os.path.join(REPO, script)).read().split('\n# ---')[1]  # the settings block
+    names = set(re.findall(r'^(\w+) = ', block, re.M))
+    if script == 'train.py':  # and the model's settings, but the vocabulary (the data's)
+        from dataclasses import fields
+        from model import GPTConfig
+        names |= {f.name for f in fields(GPTConfig)} - {'vocab_size'}
+    assert sorted(name for name, _ in lines) == sorted(names)
+    assert all(literal_eval(value) == defaults[name] for name, value in lines), out
+    if script == 'train.py':  # a default made by code: its value, not the code
+        assert "  --dataset='shakespeare_char'  # a folder under data/ made by prepare.py" in out
 
 def test_bench_decodes_in_the_dtype_it_is_given(tmp_path):
     kv_bytes = {}
