@@ -346,6 +346,9 @@ def load_weights(model, ckpt, path, quiet=False):
 def join_torchrun(device, accumulation, world_size):
     """Join torchrun's process group (NCCL on GPUs, gloo on the CPU); this rank's device and its
     share of the gradient accumulation steps, or ValueError."""
+    if accumulation > world_size and accumulation % world_size:
+        raise ValueError(f"--gradient_accumulation_steps={accumulation} must be a multiple of the "
+                         f"{world_size} processes, or at most {world_size}")
     if device.startswith('cuda'):
         local_rank, gpus = int(os.environ['LOCAL_RANK']), torch.cuda.device_count()
         if int(os.environ.get('LOCAL_WORLD_SIZE', local_rank + 1)) > gpus:
@@ -354,9 +357,6 @@ def join_torchrun(device, accumulation, world_size):
         device = f"cuda:{local_rank}"
         torch.cuda.set_device(device)
     dist.init_process_group(backend='nccl' if device.startswith('cuda') else 'gloo')
-    if accumulation > world_size and accumulation % world_size:
-        raise ValueError(f"--gradient_accumulation_steps={accumulation} must be a multiple of the "
-                         f"{world_size} processes, or at most {world_size}")
     return device, max(1, accumulation // world_size)  # below one each, every rank runs one
 
 

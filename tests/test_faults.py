@@ -43,6 +43,9 @@ def bad_checkpoints(good_path, folder):
              'missing_weight': (dict(good, model=dict(list(good['model'].items())[1:])),
                                 'missing transformer.wte.weight'),
              'nan_weights': (nan_weights, 'holds non-finite weights'),
+             'newer': (dict(good, model_args=dict(good['model_args'], expert_shards=2)),
+                       'has model settings this version does not know: expert_shards'),
+             'no_tokenizer': (dict(good, meta={'vocab_size': 76}), 'has no tokenizer in its meta'),
              'tensor': (torch.ones(3), 'holds a Tensor, not a checkpoint')}
     paths = {}
     for name, (content, message) in kinds.items():
@@ -78,6 +81,16 @@ def test_any_bad_checkpoint_file_gets_one_line_from_train_and_sample(
                 if k != 'optimizer'}, out / 'ckpt.pt')
     line = exit_message('train.py', [TINY, '--init_from=resume', f'--out_dir={out}'], monkeypatch)
     assert 'it has no optimizer' in line
+    # and a state that does not fit this run's optimizer: one line, and how to fine-tune instead
+    out = tmp_path / 'other_optimizer'
+    out.mkdir()
+    other = torch.load(workdir / 'run' / 'ckpt.pt', weights_only=True)
+    other['optimizer']['param_groups'] = other['optimizer']['param_groups'][:1]  # of 2
+    torch.save(other, out / 'ckpt.pt')
+    line = exit_message('train.py', [TINY, '--init_from=resume', f'--out_dir={out}'], monkeypatch)
+    assert line == (f"error: {out}/ckpt.pt has an optimizer or RNG state this run cannot restore "
+                    f"(ValueError); fine-tune from it instead: --init_from={out}/ckpt.pt "
+                    f"--out_dir=ANOTHER_DIR")
 
 
 # -----------------------------------------------------------------------------
@@ -98,6 +111,12 @@ def test_a_diverging_run_stops_and_keeps_the_last_good_checkpoint(workdir, tmp_p
     resumed = run('train.py', TINY, '--init_from=resume', '--max_iters=12', f'--out_dir={out}',
                   cwd=workdir)
     assert resumed.returncode == 0, resumed.stderr
+    # a run that diverges before its first save says so, and how to start again
+    line = one_error_line(run('train.py', TINY, '--learning_rate=1e4', f'--out_dir={out}-new',
+                              cwd=workdir))
+    assert line.endswith("; this run wrote no checkpoint; lower --learning_rate (now 10000), then "
+                         "start again"), line
+    assert not (tmp_path / 'div-new' / 'ckpt.pt').exists()
 
 
 def train_losses(out_dir):
@@ -148,6 +167,13 @@ def child_with_rank(pid, rank):
         if f'RANK={rank}'.encode() in open(f'/proc/{child}/environ', 'rb').read().split(b'\0'):
             return int(child)
     raise AssertionError(f"no rank {rank} worker under {pid}")
+
+
+def test_an_accumulation_the_processes_cannot_share_is_refused_before_they_join():
+    from checkpoint import join_torchrun
+    with pytest.raises(ValueError, match=r"^--gradient_accumulation_steps=3 must be a multiple of "
+                                         r"the 2 processes, or at most 2$"):
+        join_torchrun('cpu', 3, 2)
 
 
 @pytest.mark.skipif(not os.path.exists('/proc/self/task'),
@@ -480,6 +506,18 @@ def test_fine_tuning_on_data_whose_same_size_vocabulary_means_other_characters_i
     assert ("was trained on another vocabulary than data/shuffled's (the same 76 ids stand for "
             "other characters); use the dataset it was trained on (--dataset=shakespeare_char)"
             in line)
+    assert not (tmp_path / 'ft').exists()
+    # one character more: another vocabulary size
+    bigger = tmp_path / 'data' / 'bigger'
+    shutil.copytree(workdir / 'data' / 'shakespeare_char', bigger)
+    meta = json.load(open(bigger / 'meta.json'))
+    meta.update(itos=meta['itos'] + ['€'], vocab_size=77)
+    (bigger / 'meta.json').write_text(json.dumps(meta))
+    line = one_error_line(run('train.py', TINY, '--dataset=bigger',
+                              f"--init_from={workdir / 'run' / 'ckpt.pt'}", '--out_dir=ft',
+                              cwd=tmp_path))
+    assert line.endswith("has vocab_size=76, but data/bigger has 77; use the dataset it was "
+                         "trained on (--dataset=shakespeare_char)"), line
     assert not (tmp_path / 'ft').exists()
 
 
