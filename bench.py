@@ -283,6 +283,7 @@ def speed_ratio(runs, name, base, skip=0):  # name's cached speed over base's: a
     rounds = [sum(cached[base][skip:]) / sum(cached[name][skip:]) for cached, *_ in runs]
     return total[base] / total[name], f"{min(rounds):.2f}-{max(rounds):.2f}"
 
+
 def bench_decode(results):
     """Long-context generation: the caches vs recomputing, seqtopk vs topk, the decoding step eager
     and compiled (seqtopk also capped at top_k experts: what its routing and Expert Cache cost),

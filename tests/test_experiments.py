@@ -76,7 +76,6 @@ def test_the_routing_statistics_train_logs_are_the_paper_s_measures_computed_by_
     assert summary['prefix_overspend'] == 1
 
 
-
 def finished_runs(root, router, k, **per_seed):
     """Folders root/<router>-k<k>-s<seed> holding a finished run's log: its done record (per_seed:
     {field: [the value for seed 1, seed 2, ...]}), and train records from per_seed['train']."""
@@ -124,6 +123,7 @@ def test_the_analyses_behind_the_results_tables_compute_what_they_say_by_hand(tm
     assert row['vs_topk_at_spend']['mean'] == pytest.approx(
         ((1.50 - at_spend[0]) + (1.40 - at_spend[1])) / 2)
     assert row['vs_seqtopk']['mean'] == pytest.approx(-0.03)
+
 
 # -----------------------------------------------------------------------------
 # sweeps, end to end on the tiny preset (seconds)

@@ -18,6 +18,13 @@ import pytest
 from conftest import (OFFLINE_ENV, REPO, TINY, exit_message, one_error_line, run,
                       tiny_config)
 
+
+def logged(out_dir, event='train'):
+    """The records of one event ('train', 'eval', 'done') in a run's log.jsonl, in order."""
+    return [r for r in map(json.loads, open(os.path.join(out_dir, 'log.jsonl')))
+            if r['event'] == event]
+
+
 # -----------------------------------------------------------------------------
 # settings
 
@@ -143,13 +150,9 @@ def test_a_whole_number_sets_a_float_setting_and_a_preset_s_private_names_stay_i
 
 @pytest.mark.parametrize("script", ['train.py', 'sample.py', 'bench.py', 'experiments/sweep.py'])
 def test_help_lists_every_setting_with_its_default_value_and_comment(script, monkeypatch, capsys):
-    import runpy
     from ast import literal_eval
     from sweep import script_settings  # the settings a script runs with, read without running it
-    monkeypatch.setattr(sys, 'argv', [script, '--help'])
-    with pytest.raises(SystemExit) as stopped:
-        runpy.run_path(os.path.join(REPO, script), run_name='__main__')
-    assert stopped.value.code == 0
+    assert exit_message(script, ['--help'], monkeypatch) == '0'  # exit status 0
     out = capsys.readouterr().out
     defaults = script_settings(os.path.join(REPO, script))
     lines = [line[4:].split('  # ')[0].split('=', 1) for line in out.splitlines()
@@ -164,6 +167,7 @@ def test_help_lists_every_setting_with_its_default_value_and_comment(script, mon
     assert all(literal_eval(value) == defaults[name] for name, value in lines), out
     if script == 'train.py':  # a default made by code: its value, not the code
         assert "  --dataset='shakespeare_char'  # a folder under data/ made by prepare.py" in out
+
 
 def test_bench_decodes_in_the_dtype_it_is_given(tmp_path):
     kv_bytes = {}
@@ -326,6 +330,7 @@ def test_prepare_removes_an_old_meta_pkl_that_would_describe_other_data(tmp_path
     assert prepare.main(['--text=notes.txt']) == os.path.join('data', 'notes_char')
     assert sorted(os.listdir('data/notes_char')) == ['meta.json', 'train.bin', 'val.bin']
 
+
 def test_the_gpt2_tokenizer_with_neither_its_files_nor_the_network_is_one_line(
         tmp_path, monkeypatch):
     import socket
@@ -423,13 +428,14 @@ def test_sample_colours_each_token_by_its_experts_and_counts_what_generation_too
         "[2.5, 1.5], histogram (0..4 experts) [0, 1, 2, 1, 0]; the prompt's 3 tokens took [6, 6] "
         "per layer")
 
+
 def test_a_k_schedule_sets_training_s_experts_per_token_by_step_and_the_log_shows_them(workdir):
     out = workdir / 'out-schedule'
     result = run('train.py', TINY, '--k_schedule=0:4/10:1', f'--out_dir={out}', cwd=workdir)
     assert result.returncode == 0, result.stderr
-    train = [r for r in map(json.loads, open(out / 'log.jsonl')) if r['event'] == 'train']
+    train = logged(out)
     assert [(r['iter'], r['experts']) for r in train] == [(5, 4.0), (10, 4.0), (15, 1.0), (20, 1.0)]
-    done = json.loads(open(out / 'log.jsonl').readlines()[-1])
+    done = logged(out, 'done')[-1]
     assert done['experts_trained'] == 2.5 and done['experts_mean'] == 2.0  # evaluation: top_k
     refused = run('train.py', TINY, '--router=seqtopk', '--k_schedule=0:2', '--out_dir=x',
                   cwd=workdir)
@@ -442,7 +448,7 @@ def test_the_log_shows_warmup_then_cosine_decay_to_min_lr_and_mrltopk_drawing_k_
                  '--min_lr=1e-3', '--warmup_iters=4', '--lr_decay_iters=14', '--max_iters=16',
                  '--log_interval=1', f'--out_dir={out}', cwd=workdir)
     assert result.returncode == 0, result.stderr
-    train = [r for r in map(json.loads, open(out / 'log.jsonl')) if r['event'] == 'train']
+    train = logged(out)
     lr = {r['iter'] - 1: r['lr'] for r in train}  # a line logs the step just taken
     assert [lr[step] for step in range(4)] == pytest.approx([2e-3, 4e-3, 6e-3, 8e-3])  # warmup
     assert lr[4] == pytest.approx(1e-2)  # the peak, then the cosine
@@ -454,12 +460,6 @@ def test_the_log_shows_warmup_then_cosine_decay_to_min_lr_and_mrltopk_drawing_k_
 
 # -----------------------------------------------------------------------------
 # scale: DDP, exact resume, atomic checkpoints
-
-def last_eval(out_dir):
-    import json
-    evals = [json.loads(line) for line in open(out_dir / 'log.jsonl') if '"event": "eval"' in line]
-    return evals[-1]
-
 
 @pytest.mark.parametrize("router", ["seqtopk", "relu", "batchtopk", "mrltopk", "windowtopk",
                                     "topk+balance=bias"])
@@ -482,7 +482,7 @@ def test_ddp_on_two_cpu_processes_matches_one_process_with_the_same_global_batch
                          cwd=workdir, env=OFFLINE_ENV, capture_output=True, text=True, timeout=300)
     assert ddp.returncode == 0, ddp.stderr
     assert '2 processes' in ddp.stdout
-    a, b = last_eval(workdir / f'single-{tag}'), last_eval(workdir / f'ddp-{tag}')
+    a, b = (logged(workdir / d, 'eval')[-1] for d in (f'single-{tag}', f'ddp-{tag}'))
     assert a['iter'] == b['iter'] == 6
     assert abs(a['val_ce'] - b['val_ce']) < 1e-4 and abs(a['train_ce'] - b['train_ce']) < 1e-4
     buffers = {'relu': ('l1_coef', 'threshold'), 'batchtopk': ('threshold',),
@@ -508,7 +508,7 @@ def test_twenty_steps_straight_equal_ten_plus_resumed_ten(workdir, router):
                   f'--out_dir=split-{router}', cwd=workdir)
     for result in (straight, first, resumed):
         assert result.returncode == 0, result.stderr
-    a, b = last_eval(workdir / f'straight-{router}'), last_eval(workdir / f'split-{router}')
+    a, b = (logged(workdir / d, 'eval')[-1] for d in (f'straight-{router}', f'split-{router}'))
     assert a['iter'] == b['iter'] == 20
     assert a['val_ce'] == pytest.approx(b['val_ce'], abs=1e-6)
     assert a['train_ce'] == pytest.approx(b['train_ce'], abs=1e-6)
@@ -521,20 +521,20 @@ def test_a_run_saves_its_last_step_logs_ms_per_step_and_grad_clip_0_is_no_clippi
     result = run('train.py', TINY, '--learning_rate=1e-12', '--min_lr=0', f'--out_dir={out}',
                  cwd=workdir)
     assert result.returncode == 0, result.stderr
-    log = [json.loads(line) for line in open(out / 'log.jsonl')]
-    evals = [r for r in log if r['event'] == 'eval']
+    evals = logged(out, 'eval')
     assert [r['iter'] for r in evals] == [0, 10, 20] and len({r['val_ce'] for r in evals}) == 1
     assert torch.load(out / 'ckpt.pt', weights_only=True)['iter_num'] == 20
     # ms/iter is per iteration: the 4 log lines' intervals (log_interval 5) run from the loop's
     # start to step 20, before the last evaluation ends
-    lines = [r for r in log if r['event'] == 'train']
+    lines = logged(out)
     assert len(lines) == 4 and sum(r['ms_per_iter'] * 5 for r in lines) / 1000 < evals[2]['time']
 
     # --grad_clip=0 is no clipping (clipping at 0 would zero every gradient): the run learns
     result = run('train.py', TINY, '--grad_clip=0', f'--out_dir={out}-noclip', cwd=workdir)
     assert result.returncode == 0, result.stderr
-    evals = [json.loads(line) for line in open(f'{out}-noclip/log.jsonl') if '"eval"' in line]
+    evals = logged(f'{out}-noclip', 'eval')
     assert evals[-1]['val_ce'] < evals[0]['val_ce'] - 0.2
+
 
 def test_resume_with_another_architecture_is_a_clear_error(workdir):
     out = workdir / 'arch'
@@ -552,18 +552,14 @@ def test_resume_with_another_architecture_is_a_clear_error(workdir):
 # -----------------------------------------------------------------------------
 # the options that change how a run trains or generates, each through its script
 
-def train_records(out_dir, event='train'):
-    return [r for r in map(json.loads, open(out_dir / 'log.jsonl')) if r['event'] == event]
-
-
 def test_seq_causal_training_routes_by_the_online_rule_and_reports_the_causal_loss(workdir):
     out = workdir / 'causal'
     result = run('train.py', TINY, '--router=seqtopk', '--seq_causal=True', f'--out_dir={out}',
                  cwd=workdir)
     assert result.returncode == 0, result.stderr
     # offline SeqTopK spends exactly T*K in training; the online rule lets prefixes overspend
-    assert any(r['experts'] != 2.0 for r in train_records(out))
-    done = train_records(out, 'done')[0]
+    assert any(r['experts'] != 2.0 for r in logged(out))
+    done = logged(out, 'done')[0]
     assert done['val_ce'] == done['val_ce_causal'] != done['val_ce_offline']
 
 
@@ -574,7 +570,7 @@ def test_compiled_training_through_train_py_follows_the_eager_run(workdir):
         result = run('train.py', TINY, '--router=seqtopk', f'--compile={compile}', '--max_iters=10',
                      '--log_interval=1', f'--out_dir={out}', cwd=workdir)
         assert result.returncode == 0, result.stderr
-        runs[compile] = [r['ce'] for r in train_records(out)]
+        runs[compile] = [r['ce'] for r in logged(out)]
     assert runs[True] == pytest.approx(runs[False], rel=1e-3)
 
 
@@ -600,7 +596,7 @@ def test_fp16_training_scales_its_loss_and_trains(workdir):
                  f'--out_dir={out}', cwd=workdir)
     assert result.returncode == 0, result.stderr
     assert 'float16 with loss scaling' in result.stdout
-    ces = [r['ce'] for r in train_records(out)]
+    ces = [r['ce'] for r in logged(out)]
     assert all(np.isfinite(ces)) and ces[-1] < ces[0]
 
 
@@ -672,7 +668,6 @@ def test_bench_times_the_routing_alone(tmp_path):
     assert [r['ratio_vs_topk'] for r in route if r['path'] == 'topk'] == [1.0, 1.0]
 
 
-
 def test_bench_reports_medians_after_a_warm_up_ratios_per_round_and_times_per_call(monkeypatch):
     import bench
     from model import GPT, GPTConfig
@@ -701,6 +696,7 @@ def test_bench_reports_medians_after_a_warm_up_ratios_per_round_and_times_per_ca
     rounds = [({'a': [1.0, 1.0], 'b': [2.0, 2.0]},), ({'a': [1.0, 3.0], 'b': [2.0, 2.0]},)]
     assert bench.speed_ratio(rounds, 'a', 'b') == (pytest.approx(8 / 6), '1.00-2.00')
     assert bench.speed_ratio(rounds, 'a', 'b', skip=1) == (pytest.approx(1.0), '0.67-2.00')
+
 
 def test_no_script_turns_tf32_on_so_the_routers_fp32_logits_stay_fp32(workdir):
     # TF32 would round the routers' fp32 logits on Ampere and later GPUs ("routers run in fp32")
