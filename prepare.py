@@ -105,6 +105,9 @@ def load_splits(name, text_column, val_fraction, seed=2357):
              f"{splits['train'].column_names}); pass --text_column=NAME")
     if 'validation' in splits:
         return {'train': splits['train'], 'val': splits['validation']}
+    if len(splits['train']) < 2:
+        fail(f"dataset '{name}' has {len(splits['train'])} row(s): too few to hold some out for "
+             f"validation; give more rows")
     split = splits['train'].train_test_split(test_size=val_fraction, seed=seed, shuffle=True)
     return {'train': split['train'], 'val': split['test']}
 
@@ -155,10 +158,16 @@ def write_bin(path, ids):
 def write_split(path, dataset, enc, text_column, num_proc):
     """Tokenize a (possibly huge) split, then stream it into a uint16 memmap, with progress."""
     def tokenize(example):
-        ids = enc.encode_ordinary(example[text_column]) + [enc.eot_token]
+        if not isinstance(text := example[text_column], str):
+            raise ValueError(f"column '{text_column}' holds {text!r} where text is expected; "
+                             f"remove those rows, or pass --text_column=NAME")
+        ids = enc.encode_ordinary(text) + [enc.eot_token]
         return {'ids': ids, 'len': len(ids)}
-    tokenized = dataset.map(tokenize, remove_columns=dataset.column_names, num_proc=num_proc,
-                            desc=f"tokenizing {os.path.basename(path)}")
+    try:
+        tokenized = dataset.map(tokenize, remove_columns=dataset.column_names, num_proc=num_proc,
+                                desc=f"tokenizing {os.path.basename(path)}")
+    except ValueError as e:  # a row that is not text, found by tokenize (maybe in a worker)
+        fail(e)
     total = int(np.sum(tokenized['len'], dtype=np.uint64))
     with written(path) as tmp:
         arr = np.memmap(tmp, dtype=np.uint16, mode='w+', shape=(total,))
@@ -173,13 +182,20 @@ def write_split(path, dataset, enc, text_column, num_proc):
     return total
 
 
+def data_dir(name):
+    """data/<name>, for a plain folder name only: nothing is written outside data/."""
+    if not re.fullmatch(r'\w[\w.-]*', name):
+        fail(f"--dataset={name} must be a folder name (letters, digits, _ . -)")
+    return os.path.join('data', name)
+
+
 def prepare(args):
     if args.source:
         if args.tokenizer == 'char':
             fail("datasets from --source are tokenized with gpt2; drop --tokenizer=char")
         name = os.path.basename(args.source.rstrip('/'))
         name = (os.path.splitext(name)[0] if os.path.isfile(args.source) else name).lower()
-        out = os.path.join('data', args.dataset or name)
+        out = data_dir(args.dataset or name)
         splits = load_splits(args.source, args.text_column, args.val_fraction or 0.0005)
         enc, meta = gpt2_encoding(), dict(tokenizer='gpt2', vocab_size=50257)
         os.makedirs(out, exist_ok=True)
@@ -191,12 +207,19 @@ def prepare(args):
         tokenizer = args.tokenizer or 'char'
         if args.text and not os.path.isfile(args.text):
             fail(f"--text file '{args.text}' not found")
-        text = open(args.text, encoding='utf-8').read() if args.text else shakespeare_text()
         name = os.path.splitext(os.path.basename(args.text))[0] if args.text else 'shakespeare'
-        out = os.path.join('data', args.dataset or name + ('_char' if tokenizer == 'char' else ''))
+        out = data_dir(args.dataset or name + ('_char' if tokenizer == 'char' else ''))
+        try:
+            text = open(args.text, encoding='utf-8').read() if args.text else shakespeare_text()
+        except UnicodeDecodeError as e:
+            fail(f"--text file '{args.text}' is not UTF-8 text (byte {e.start}: {e.reason}); save "
+                 f"it as UTF-8")
         if len(text) < 100:
             fail(f"only {len(text)} characters of text; give a longer file")
         chars = sorted(set(text))
+        if tokenizer == 'char' and len(chars) > 2 ** 16:
+            fail(f"{len(chars):,} distinct characters: more ids than uint16 holds (65,536); "
+                 f"use --tokenizer=gpt2")
         meta = (dict(tokenizer='char', vocab_size=len(chars), itos=chars) if tokenizer == 'char'
                 else dict(tokenizer='gpt2', vocab_size=50257))
         encode, _ = get_codec(dict(meta, stoi={c: i for i, c in enumerate(chars)}))
@@ -228,15 +251,14 @@ def main(argv=None):
     parser.add_argument('--val_fraction', type=float,
                         help="held-out share (default 0.1 for text, 0.0005 for --source)")
     parser.add_argument('--num_proc', type=int, default=max(1, (os.cpu_count() or 2) // 2))
+    parser.error = lambda message: fail(f"{message} (--help lists the options)")
     args = parser.parse_args(argv)
     if args.text and args.source:
-        parser.error("give --text or --source, not both")
+        fail("give --text or --source, not both")
     if args.num_proc < 1:
         fail(f"--num_proc={args.num_proc} must be a positive integer")
     if args.val_fraction is not None and not 0 < args.val_fraction < 1:
         fail(f"--val_fraction={args.val_fraction} must be in (0, 1)")
-    if args.dataset is not None and not re.fullmatch(r'[\w.-]+', args.dataset):
-        fail(f"--dataset={args.dataset} must be a folder name (letters, digits, _ . -)")
     try:
         return prepare(args)
     except OSError as e:  # a full disk, a quota, an I/O error: what was written is removed

@@ -313,12 +313,32 @@ def test_prepare_without_the_datasets_package_says_what_to_install(tmp_path, mon
     ('--val_fraction=1', "--val_fraction=1.0 must be in (0, 1)"),
     ('--num_proc=0', "--num_proc=0 must be a positive integer"),
     ('--dataset=../elsewhere', "--dataset=../elsewhere must be a folder name (letters, digits"),
+    ('--dataset=..', "--dataset=.. must be a folder name (letters, digits"),
+    ('--tokenizer=bpe', "argument --tokenizer: invalid choice: 'bpe'"),
 ])
 def test_prepare_s_bad_arguments_are_one_line_and_write_nothing(arg, message, tmp_path,
                                                                  monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert exit_message('prepare.py', [arg], monkeypatch).startswith(f"error: {message}")
     assert os.listdir(tmp_path) == []
+
+
+def test_text_prepare_cannot_store_is_one_line_not_a_traceback(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv('HF_DATASETS_CACHE', str(tmp_path / 'cache'))
+    (tmp_path / 'latin1.txt').write_bytes('café au lait '.encode('latin-1') * 20)
+    many = ''.join(chr(c) for c in range(0x100, 0x100 + 2 ** 16 + 2050) if not 0xD800 <= c < 0xE000)
+    (tmp_path / 'many.txt').write_text(many, encoding='utf-8')
+    (tmp_path / 'one.jsonl').write_text(json.dumps({'text': 'a single row'}) + '\n')
+    rows = [{'text': 'some text'}] * 20 + [{'text': None}]
+    (tmp_path / 'null.jsonl').write_text(''.join(json.dumps(row) + '\n' for row in rows))
+    for args, message in (
+            (['--text=latin1.txt'], "--text file 'latin1.txt' is not UTF-8 text (byte 3"),
+            (['--text=many.txt'], "65,538 distinct characters: more ids than uint16 holds"),
+            (['--source=one.jsonl'], "dataset 'one.jsonl' has 1 row(s): too few to hold some"),
+            (['--source=null.jsonl', '--num_proc=1'], "column 'text' holds None where text is")):
+        assert exit_message('prepare.py', args, monkeypatch).startswith(f"error: {message}")
+    assert not os.path.exists('data') or not any(files for _, _, files in os.walk('data'))
 
 
 def test_prepare_removes_an_old_meta_pkl_that_would_describe_other_data(tmp_path, monkeypatch):
