@@ -160,14 +160,17 @@ def train(folder, args, number):
             running.discard(proc)
         if stopping:
             return None
+        failed = None
         if proc.returncode != 0:
             lines = open(folder + '.out', errors='replace').read().strip().splitlines()
             why = next((line for line in reversed(lines) if line.startswith('error: ')),
                        lines[-1] if lines else f'exit status {proc.returncode}')
-            fail(f"the run in {folder} failed ({why.removeprefix('error: ')}); see {folder}.out")
-        if last_done(folder, evaluation) is None:
-            fail(f"the run in {folder} exited without finishing (its log has no done record); "
-                 f"see {folder}.out")
+            failed = f"the run in {folder} failed ({why.removeprefix('error: ')})"
+        elif last_done(folder, evaluation) is None:
+            failed = f"the run in {folder} exited without finishing (its log has no done record)"
+        if failed:
+            stop('a run failed')  # now: this thread's next run must not start
+            fail(f"{failed}; see {folder}.out")
     return last_done(folder, evaluation)
 
 

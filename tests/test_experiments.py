@@ -239,6 +239,18 @@ def test_bad_sweep_settings_fail_with_one_line(workdir):
                 and 'Traceback' not in result.stderr)
 
 
+def test_a_sweep_stops_at_its_first_failed_run_and_starts_no_other(workdir):
+    result = run('experiments/sweep.py', '--out_dir=failing', '--routers=topk', '--top_ks=9',
+                 '--seeds=1,2,3', '--max_iters=2', f'--train_args={TINY}', cwd=workdir)
+    assert result.returncode != 0 and 'Traceback' not in result.stderr, result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (
+        "error: the run in failing/topk-k9-s1 failed (--top_k=9 must be at most --n_exp=4); see "
+        "failing/topk-k9-s1.out")
+    assert '[1/3] $ ' in result.stdout and '[2/3]' not in result.stdout, result.stdout
+    assert sorted(f for f in os.listdir(workdir / 'failing') if f.endswith('.out')) == [
+        'topk-k9-s1.out']
+
+
 # -----------------------------------------------------------------------------
 # figures
 
