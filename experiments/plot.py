@@ -287,16 +287,31 @@ def explain_selections(scores, k):
                             titles, rows_per_sequence=T)
 
 
+def layout(tokens, width):
+    """(x, row, cells) of each token's box: as many cells as its characters, rows of width."""
+    places, x, row = [], 0, 0
+    for token in tokens:
+        cells = max(1, len(token))
+        if x + cells > width:
+            x, row = 0, row + 1
+        places.append((x, row, cells))
+        x += cells
+    return places
+
+
 def token_figure(texts, counts, top_k, titles, width=40):
     """Per sample its tokens' strings (texts) on backgrounds coloured by the experts each took
     (counts: (layers, tokens)), as sample.shade: blue fewer than top_k, grey top_k, red more."""
     from sample import shade
     cmap = plt.get_cmap('coolwarm')
     colour = lambda n: cmap(0.5 + 0.5 * shade(int(n), top_k))  # noqa: E731
-    rows = [-(-len(text) // width) for text in texts]
+    shown = [[token.replace('\n', '⏎').replace(' ', '·')[:width] for token in text]
+             for text in texts]
+    places = [layout(text, width) for text in shown]  # a word piece as wide as its text
+    rows = [place[-1][1] + 1 if place else 0 for place in places]
     fig, ax = plt.subplots(figsize=(width * 0.2 + 1, 4))
     row = 0
-    for text, count, title, n_rows in zip(texts, counts, titles, rows):
+    for text, place, count, title, n_rows in zip(shown, places, counts, titles, rows):
         ax.text(0, row, title, fontsize=10, weight='bold', va='center')
         row += 1
         blocks = []  # consecutive layers that gave every token the same count: one block
@@ -308,11 +323,10 @@ def token_figure(texts, counts, top_k, titles, width=40):
         for group, taken in blocks:
             name = f"layer {group[0]}" if len(group) == 1 else f"layers {group[0]}-{group[-1]}"
             ax.text(-1, row, name, fontsize=7, va='center', ha='right')
-            for j, (token, n) in enumerate(zip(text, taken)):
-                x, y = j % width, row + j // width
-                ax.add_patch(Rectangle((x - 0.5, y - 0.5), 1, 1, color=colour(n)))
-                shown = {'\n': '⏎', ' ': '·'}.get(token, token)[:2]
-                ax.text(x, y, shown, ha='center', va='center', fontsize=8, family='monospace')
+            for token, (x, y, cells), n in zip(text, place, taken):
+                ax.add_patch(Rectangle((x - 0.5, row + y - 0.5), cells, 1, color=colour(n)))
+                ax.text(x - 0.5 + cells / 2, row + y, token, ha='center', va='center', fontsize=8,
+                        family='monospace')
             row += n_rows + 1
     ax.set_xlim(-5, width)
     ax.set_ylim(row, -1)
@@ -358,6 +372,19 @@ def explain(runs=(), prompt='ROMEO:', new_tokens=120):
     return figures
 
 
+def read_json(path, needs, made_by):
+    """The results file at path, holding `needs` (bench.json's decode, sweep.json's rows)."""
+    if not os.path.isfile(path):
+        fail(f"no {path}; run {made_by} first")
+    try:
+        results = json.load(open(path, encoding='utf-8'))
+    except ValueError:  # not JSON, or not UTF-8
+        results = None
+    if not isinstance(results, dict) or not results.get(needs):
+        fail(f"{path} holds no {needs} results; give the file {made_by} writes")
+    return results
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -371,23 +398,21 @@ def main(argv=None):
                         help="--curves: the CE a run's step is found below")
     parser.add_argument('--out_dir', help="the folder for the PNGs (default: figures, with "
                         "--explain results/explain)")
+    parser.error = lambda message: fail(f"{message} (--help lists the options)")
     args = parser.parse_args(argv)
     out, figures = args.out_dir or ('results/explain' if args.explain else 'figures'), {}
     if args.explain:
         figures = explain(args.runs)
     elif args.bench:
-        if not os.path.exists(args.bench):
-            fail(f"no {args.bench}; run `python bench.py --out_dir={os.path.dirname(args.bench)}` "
-                 f"first")
-        figures = {'decoding.png': decoding(json.load(open(args.bench)))}
+        bench = read_json(args.bench, 'decode', f"`python bench.py --what=decode "
+                          f"--out_dir={os.path.dirname(args.bench) or '.'}`")
+        figures = {'decoding.png': decoding(bench)}
     elif args.curves:
         figures['train_curves.png'], lines = train_curves(args.runs, args.escape)
         print('\n'.join(lines))
     else:
         if args.sweep:
-            if not os.path.exists(args.sweep):
-                fail(f"no {args.sweep}; run sweep.py first")
-            sweep = json.load(open(args.sweep))
+            sweep = read_json(args.sweep, 'rows', 'experiments/sweep.py')
             figures['paired_difference.png'] = paired_differences(sweep)
             args.runs = args.runs or sweep_runs(sweep, os.path.dirname(os.path.abspath(args.sweep)))
         elif not args.runs:

@@ -9,7 +9,8 @@ import re
 
 import pytest
 
-from conftest import TINY, one_error_line, run  # the scripts as subprocesses, offline, one thread
+# the scripts as subprocesses, offline, one thread (or in this process, up to their exit)
+from conftest import REPO, TINY, exit_message, one_error_line, run
 
 
 # -----------------------------------------------------------------------------
@@ -307,7 +308,7 @@ def test_the_paired_difference_figure_is_drawn_from_a_sweep_json(tmp_path, drawn
         assert set(lines) == {'mrltopk', 'seqtopk', 'seqtopk (causal routing)'}
         assert lines['mrltopk'][1] == pytest.approx([-0.04, -0.02, -0.01])  # at K = 2, 4, 8
         assert [round(x) for x in lines['seqtopk'][0]] == [2, 4, 8]
-    with pytest.raises(SystemExit, match='run sweep.py first'):
+    with pytest.raises(SystemExit, match='run experiments/sweep.py first'):
         plot.main([f"--sweep={tmp_path / 'missing.json'}"])
 
 
@@ -403,7 +404,7 @@ def sweep_in_training(workdir, out_dir, seeds, *extra):
     import subprocess
     import sys
     import time
-    from conftest import OFFLINE_ENV, REPO
+    from conftest import OFFLINE_ENV
     args = [f'--out_dir={out_dir}', '--routers=topk', '--top_ks=2', f'--seeds={seeds}',
             '--max_iters=300', *extra,
             f'--train_args={TINY} --n_exp=4 --eval_interval=1000 --log_interval=1']
@@ -491,7 +492,7 @@ def test_a_second_sweep_into_a_live_sweep_s_out_dir_is_refused_and_the_first_fin
     import subprocess
     import sys
     import time
-    from conftest import OFFLINE_ENV, REPO
+    from conftest import OFFLINE_ENV
     args = ['--out_dir=locked', '--routers=topk', '--top_ks=2', '--seeds=1,2', '--max_iters=60',
             f'--train_args={TINY} --n_exp=4 --eval_interval=60']
     first = subprocess.Popen([sys.executable, os.path.join(REPO, 'experiments', 'sweep.py'), *args],
@@ -566,6 +567,34 @@ def test_a_sweep_run_that_exits_without_finishing_is_reported_failed_in_one_line
     assert not (workdir / 'unfinished' / 'sweep.json').exists()
 
 
+def test_plot_s_bad_input_is_one_line_not_a_traceback(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / 'route.json').write_text(json.dumps(dict(device='cpu', route=[{}], decode=[])))
+    (tmp_path / 'broken.json').write_text('{"decode": [')
+    for args, message in (
+            (['--bench=route.json'], "route.json holds no decode results; give the file `python "
+             "bench.py --what=decode --out_dir=.` writes"),
+            (['--bench=broken.json'], "broken.json holds no decode results"),
+            (['--sweep=route.json'], "route.json holds no rows results; give the file "
+             "experiments/sweep.py writes"),
+            (['--bench=missing.json'], "no missing.json; run `python bench.py"),
+            (['--curves', '--escape=low'], "argument --escape: invalid float value: 'low'")):
+        line = exit_message('experiments/plot.py', args, monkeypatch)
+        assert line.startswith(f"error: {message}"), line
+    assert sorted(os.listdir(tmp_path)) == ['broken.json', 'route.json']
+
+
+def test_word_pieces_are_drawn_whole_each_box_as_wide_as_its_text():
+    import plot
+    from matplotlib.patches import Rectangle
+    assert plot.layout(['ROM', 'EO', ':⏎', '·the'], 5) == [(0, 0, 3), (3, 0, 2), (0, 1, 2),
+                                                           (0, 2, 4)]
+    fig = plot.token_figure([['ROM', 'EO', ':\n', ' the']], [[[1, 2, 3, 2]]], 2, ['GPT-2 BPE'])
+    ax = fig.axes[0]
+    assert [t.get_text() for t in ax.texts][2:6] == ['ROM', 'EO', ':⏎', '·the']
+    assert [p.get_width() for p in ax.patches if isinstance(p, Rectangle)] == [3, 2, 2, 4]
+
+
 # NumPy 2 warns where matplotlib converts a tensor without a copy keyword; a later NumPy raises
 @pytest.mark.filterwarnings('error:__array__ implementation:DeprecationWarning')
 def test_the_pictures_that_explain_routing_show_each_router_s_selection(
@@ -597,3 +626,8 @@ def test_the_pictures_that_explain_routing_show_each_router_s_selection(
     assert sum(isinstance(p, Rectangle) for p in tokens.patches) >= 120  # a coloured box per token
     assert (sorted(os.listdir(tmp_path))
             == ['batch.png', 'online.png', 'selection.png', 'tokens.png'])
+    from matplotlib.image import imread
+    for name in ('selection.png', 'batch.png', 'online.png'):  # README's copies drawn by this code
+        now, committed = (imread(os.path.join(folder, name)).shape
+                          for folder in (tmp_path, os.path.join(REPO, 'results', 'explain')))
+        assert all(abs(a - b) <= 4 for a, b in zip(now, committed)), (name, now, committed)
