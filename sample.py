@@ -304,8 +304,15 @@ def colored(ids, experts, decode, top_k):
 
     def paint(text, f):
         return f"\033[48;5;{palette[min(9, int(5 + 4.5 * f))]}m\033[38;5;16m{text}\033[0m"
-    text = ''.join(paint(decode([token]), shade(experts[i], top_k)) if i < len(experts)
-                   else decode([token]) for i, token in enumerate(ids))
+    pieces, start = [], 0
+    for end in range(1, len(ids) + 1):  # a character whose bytes span tokens (BPE): one piece
+        piece = decode(ids[start:end])
+        if piece.endswith('\ufffd') and end - start < 4 and end < len(ids):
+            continue  # its first token's colour
+        pieces.append(paint(piece, shade(experts[start], top_k)) if start < len(experts)
+                      else piece)
+        start = end
+    text = ''.join(pieces)
     legend = ' '.join(paint(f" {top_k * (1 + f):.1f} ", f) for f in (-1, -0.5, 0, 0.5, 1))
     return text + f"\n[experts per token: {legend}]"
 

@@ -432,6 +432,11 @@ def test_sample_colours_each_token_by_its_experts_and_counts_what_generation_too
     text = colored([7, 8, 9, 10], [1, 2, 4], lambda ids: f"<{ids[0]}>", top_k=2)
     assert text.startswith('\033[48;5;33m\033[38;5;16m<7>\033[0m\033[48;5;231m\033[38;5;16m<8>'
                            '\033[0m\033[48;5;196m\033[38;5;16m<9>\033[0m<10>\n')  # 10: no count
+    # GPT-2's tokens are bytes: a character split over two of them is painted once, whole
+    pieces = [b'caf', b'\xc3', b'\xa9 ', b'\xf0\x9f', b'\x98', b'\x80', b'!']  # 'café 😀!'
+    text = colored(list(range(7)), [1, 2, 3, 4, 2, 1, 2],
+                   lambda ids: b''.join(pieces[i] for i in ids).decode(errors='replace'), top_k=2)
+    assert re.sub('\033\\[[0-9;]*m', '|', text.split('\n')[0]) == '||caf|||é |||😀|||!|'
 
     def routing(*counts):  # per layer (mask (1, tokens, 4 experts), gates): each token's count
         masks = [(torch.arange(4) < torch.tensor(c)[:, None])[None] for c in counts]
