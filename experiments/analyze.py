@@ -388,10 +388,28 @@ def main(argv=None):
     parser.add_argument('--batches', type=int, default=20, help="val batches of 16 x block_size")
     parser.add_argument('--dataset', default='shakespeare_char', help="a folder under data/")
     parser.add_argument('--out_dir', help="--chars: a folder for its figure and numbers")
+    parser.error = lambda message: fail(f"{message} (--help lists the options)")
     args = parser.parse_args(argv)
     if (args.equal_compute or args.causal) and not args.router:
         parser.error("--equal_compute and --causal compare a --router with topk: give --router")
+    if not re.fullmatch(r'[1-9]\d*(,[1-9]\d*)*', args.top_ks):
+        parser.error(f"--top_ks={args.top_ks} must be a comma-separated list of positive integers")
     ks, data_dir = [int(k) for k in args.top_ks.split(',')], os.path.join('data', args.dataset)
+    # the runs each analysis reads: every one must be there, else one line before any table
+    needs = dict(relu_schedule=['relu'], equal_compute=[args.router, 'topk'],
+                 relu=['relu', 'topk'], causal=[args.router, 'topk'], chars=['seqtopk', 'topk'])
+    needs = {flag: routers for flag, routers in needs.items() if getattr(args, flag)}
+    if not needs and not args.window_spend:
+        parser.error("choose an analysis: --relu_schedule, --equal_compute, --relu, --causal, "
+                     "--chars or --window_spend")
+    if missing := [root for root in args.roots if not os.path.isdir(root)]:
+        fail(f"no sweep folder {missing[0]}")
+    for flag, router, k in ((f, r, k) for f, routers in needs.items() for r in routers for k in ks):
+        if not runs_of(args.roots, router, k):
+            fail(f"--{flag} reads {router}-k{k}-s* runs, but {', '.join(args.roots) or 'no folder'}"
+                 f" holds no finished one; give the sweep folders that do, or other --top_ks")
+    if (args.chars or args.causal) and not os.path.isdir(data_dir):
+        fail(f"no data in {data_dir}/: give the --dataset the runs trained on")
     if args.relu_schedule:
         for k in ks:
             print(f"K={k}: --k_schedule={relu_schedule(args.roots, k)[0]}")

@@ -552,6 +552,27 @@ def test_the_analyses_of_a_finished_sweep_run_and_print_their_tables(workdir, tm
             and len(json.load(open(tmp_path / 'chars_k2.json'))) == 2)
 
 
+def test_an_analysis_without_its_runs_or_data_is_one_line_before_any_table(tmp_path, monkeypatch,
+                                                                           capsys):
+    monkeypatch.chdir(tmp_path)
+    for name in ('topk-k2-s1', 'seqtopk-k2-s1'):  # finished runs, as analyze finds them
+        os.makedirs(f'sweep/{name}')
+        (tmp_path / 'sweep' / name / 'log.jsonl').write_text('{"event": "done", "val_ce": 1.5}\n')
+    for args, message in (
+            ([], "choose an analysis: --relu_schedule, --equal_compute"),
+            (['--window_spend', '--top_ks=4,x'], "--top_ks=4,x must be a comma-separated list"),
+            (['sweep', 'nope', '--chars'], "no sweep folder nope"),
+            (['sweep', '--chars', '--top_ks=2,4'], "--chars reads seqtopk-k4-s* runs, but sweep "
+             "holds no finished one"),
+            (['--relu_schedule', '--top_ks=2'], "--relu_schedule reads relu-k2-s* runs, but no "
+             "folder holds"),
+            (['sweep', '--chars', '--top_ks=2'], "no data in data/shakespeare_char/: give the "
+             "--dataset")):
+        line = exit_message('experiments/analyze.py', args, monkeypatch)
+        assert line.startswith(f"error: {message}"), line
+    assert capsys.readouterr().out == ''  # no table, not even its header
+
+
 def test_a_sweep_run_that_exits_without_finishing_is_reported_failed_in_one_line(workdir):
     import glob
     import signal
