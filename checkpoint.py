@@ -149,6 +149,9 @@ def written(path):
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or '.',
                                prefix=os.path.basename(path) + '.', suffix='.tmp')
     os.close(fd)
+    umask = os.umask(0o022)  # read it (setting it is the only way), then put it back
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)  # as open() would make it, not mkstemp's owner-only
     try:
         yield tmp
         os.replace(tmp, path)
@@ -284,7 +287,8 @@ def load_to_continue(source, resume, model_args, overridden, quiet=False):
     ones, but those the command line gives (only routing may differ); else ValueError."""
     if not os.path.isfile(source):
         raise ValueError(f"--init_from=resume but there is no checkpoint at {source}; start the "
-                         f"run with --init_from=scratch, or give the --out_dir of the run")
+                         f"run again (--overwrite=True replaces what its folder holds), or give "
+                         f"the --out_dir of the run")
     state = ('optimizer', 'iter_num', 'best_val_loss', 'batch_gen_state', 'torch_rng_state')
     checkpoint = load(source, ('model', 'model_args', 'meta') + (state if resume else ()),
                       quiet=quiet)
@@ -367,9 +371,9 @@ class Run:
     the flags), its last good checkpoint (step `saved_iter`) kept, rank 0 saying in one line
     why and how to go on; after listen(), SIGTERM or SIGINT (Ctrl-C) stops it after its step."""
 
-    def __init__(self, out_dir, ddp, master, world_size, learning_rate):
+    def __init__(self, out_dir, ddp, master, world_size, settings):
         self.out_dir, self.write, self.ddp, self.master = out_dir, master, ddp, master
-        self.world_size, self.learning_rate = world_size, learning_rate
+        self.world_size, self.settings = world_size, settings  # the run's, as they go
         self.log_path = os.path.join(out_dir, 'log.jsonl')
         self.ckpt_path = os.path.join(out_dir, 'ckpt.pt')
         self.saved_iter = self.error = self.signal = None
@@ -384,16 +388,19 @@ class Run:
     def out_dir_problem(self):
         """Why out_dir cannot hold this run (None when it can), found before anything runs."""
         path = self.out_dir
-        if os.path.isdir(path):
-            return self.in_use() if lock_holder(os.path.join(path, LOCK)) else None
-        if os.path.exists(path):
+        if os.path.isdir(path) and lock_holder(os.path.join(path, LOCK)):
+            return self.in_use()
+        if os.path.exists(path) and not os.path.isdir(path):
             return "exists and is not a folder; give another --out_dir"
-        parent = os.path.dirname(os.path.abspath(path))
-        while not os.path.exists(parent):
-            parent = os.path.dirname(parent)
-        if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
-            why = 'not a folder' if not os.path.isdir(parent) else 'not writable'
-            return f"cannot be created ({parent} is {why}); give another --out_dir"
+        there = os.path.abspath(path)  # out_dir, or the folder it will be made in
+        while not os.path.exists(there):
+            there = os.path.dirname(there)
+        if not os.path.isdir(there):
+            return f"cannot be created ({there} is not a folder); give another --out_dir"
+        try:  # what the file system says, even to root (read-only mounts, immutable folders)
+            tempfile.TemporaryFile(dir=there).close()
+        except OSError as e:
+            return f"cannot be written ({there}: {e.strerror or e}); give another --out_dir"
 
     def holds_run(self):
         """Whether out_dir holds a training run: a checkpoint, or a log a training run started."""
@@ -415,13 +422,16 @@ class Run:
                 os.remove(tmp)
 
     def new_log(self):
-        """Move a run already in out_dir to out_dir/replaced/, so nothing can resume it."""
+        """Move a run already in out_dir to a folder of its own in out_dir/replaced/, so nothing
+        can resume it and no earlier replaced run is lost."""
         old = [path for path in (self.ckpt_path, self.log_path) if os.path.exists(path)]
         if self.write and old:
             os.makedirs(os.path.join(self.out_dir, 'replaced'), exist_ok=True)
+            moved = tempfile.mkdtemp(dir=os.path.join(self.out_dir, 'replaced'),
+                                     prefix=time.strftime('%Y%m%d-%H%M%S-'))
             for path in old:
-                os.replace(path, os.path.join(self.out_dir, 'replaced', os.path.basename(path)))
-            print(f"note: moved the run that was in {self.out_dir}/ to {self.out_dir}/replaced/")
+                os.replace(path, os.path.join(moved, os.path.basename(path)))
+            print(f"note: moved the run that was in {self.out_dir}/ to {moved}/")
 
     def log(self, record):
         if self.write and not self.error:
@@ -443,22 +453,24 @@ class Run:
     def fail(self, message):  # under torchrun rank 0 alone says it
         fail(message, quiet=not self.master)
 
-    def resume_command(self):
-        args = [a for a in sys.argv[1:] if not a.startswith(('--init_from=', '--overwrite='))]
+    def resume_command(self, **changes):  # this command, resuming, with changed settings
+        changed = tuple(f'--{key}=' for key in ('init_from', 'overwrite', *changes))
+        args = [a for a in sys.argv[1:] if not a.startswith(changed)]
+        args += [f'--{key}={value}' for key, value in changes.items()] + ['--init_from=resume']
         launcher = f"torchrun --standalone --nproc_per_node={self.world_size}" * self.ddp
-        return f"{launcher or 'python'} {shlex.join([sys.argv[0], *args, '--init_from=resume'])}"
+        return f"{launcher or 'python'} {shlex.join([sys.argv[0], *args])}"
 
-    def kept(self, fix):
+    def kept(self, fix, **changes):
         """What a stopped run leaves, and how to go on."""
         if self.saved_iter is None:
-            return f"this run wrote no checkpoint; {fix}, then start again"
+            return f"this run wrote no checkpoint; {fix}, then start again with --overwrite=True"
         return (f"{self.ckpt_path} is left as it was (step {self.saved_iter}); {fix}, then "
-                f"continue with: {self.resume_command()}")
+                f"continue with: {self.resume_command(**changes)}")
 
-    def stop(self, why, fix):
+    def stop(self, why, fix, **changes):
         if self.ddp:
             dist.destroy_process_group()
-        self.fail(f"{why}; {self.kept(fix)}")
+        self.fail(f"{why}; {self.kept(fix, **changes)}")
 
     def write_failed(self):  # a write the file system refused (rank 0): stop, nothing more written
         if self.error:
@@ -467,8 +479,11 @@ class Run:
     def diverged(self, step, what):
         if self.master:
             self.log(dict(event='diverged', iter=step, what=what))
+        lr, min_lr = self.settings['learning_rate'], self.settings['min_lr']
+        lower = dict(learning_rate=f"{lr / 10:g}") | (  # the command goes on at a tenth
+            dict(min_lr=f"{lr / 10:g}") if min_lr > lr / 10 else {})
         self.stop(f"{what} at step {step}: the run diverged and stopped",
-                  f"lower --learning_rate (now {self.learning_rate:g})")
+                  f"lower --learning_rate (now {lr:g})", **lower)
 
     def check_weights(self, model, step):
         """Before evaluating or saving: non-finite weights are never used or saved."""

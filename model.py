@@ -35,8 +35,7 @@ class GPTConfig:
     seq_min_k: int = 1         # seqtopk: per-token lower bound
     seq_max_k: int = 0         # seqtopk: per-token upper bound (0: top_k + 2; n_exp: none)
     seq_causal: bool = False   # seqtopk: train by the online rule, as decoding routes
-    seq_budget: str = 'plain'  # online seqtopk: 'plain' (the paper) or 'strict' (no
-    #                            prefix of m tokens takes more than m * top_k)
+    seq_budget: str = 'plain'  # online seqtopk: 'plain' (the paper), 'strict' (m tokens <= m*K)
     window_floor: int = 1      # windowtopk: each token's own top experts, added
     score_func: str = 'softmax'  # 'softmax', 'sigmoid' or 'relu' (ReMoE's gates)
     route_scale: float = 0.0   # gates = route_scale x selected scores (0: each ~1 at init)

@@ -37,7 +37,7 @@ eval_iters = 20
 log_interval = 25
 always_save_checkpoint = False  # else only when val loss improves (and at the end)
 overwrite = False               # a new run may replace the run in out_dir (moved to replaced/)
-init_from = 'scratch'           # 'scratch', 'resume' (out_dir/ckpt.pt), or a ckpt.pt to fine-tune
+init_from = 'scratch'           # 'scratch', 'resume' (out_dir's run, its settings) or a ckpt.pt
 eval_only = False               # evaluate init_from's checkpoint once; writes into no run's folder
 # data
 dataset = ckpt.DEFAULT_DATASET  # a folder under data/ made by prepare.py
@@ -90,9 +90,10 @@ t_begin = time.time()
 ddp = 'RANK' in os.environ  # launched by torchrun: NCCL on GPUs, gloo on the CPU
 rank, world_size = (int(os.environ['RANK']), int(os.environ['WORLD_SIZE'])) if ddp else (0, 1)
 master_process = rank == 0
-run = ckpt.Run(out_dir, ddp, master_process, world_size, learning_rate)  # files; how it stops
+run = ckpt.Run(out_dir, ddp, master_process, world_size, config)  # files; how it stops
 fail = run.fail
-if problem := run.out_dir_problem():
+reads_only = eval_only and run.holds_run()  # an evaluation writes nothing into a run's folder
+if not reads_only and (problem := run.out_dir_problem()):
     fail(f"--out_dir={out_dir} {problem}")
 model_args = {k: config[k] for k in ckpt.MODEL_KEYS if k in config}
 iter_num, best_val_loss, checkpoint, run_id = 0, float('inf'), {}, ckpt.new_run_id()
@@ -102,6 +103,12 @@ try:
     if source is not None:
         checkpoint, model_args = ckpt.load_to_continue(
             source, init_from == 'resume', model_args, overridden, quiet=not master_process)
+    if init_from == 'resume':  # the run goes on with its own settings, but those given here
+        kept = {k: v for k, v in checkpoint.get('config', {}).items() if k in config
+                and k not in overridden and k not in ('out_dir', 'init_from', 'eval_only')}
+        config.update(kept)
+        globals().update(kept)
+        check(config, RULES, RELATIONS)
     cfg = GPTConfig(**model_args)
     cfg.validate()  # the settings as the run uses them: a checkpoint's, merged
     check(dict(config, **model_args), {}, MODEL_RELATIONS)
@@ -122,10 +129,12 @@ elif checkpoint:
     from_run = checkpoint.get('run_id')
     iter_num = checkpoint.get('iter_num', 0) if eval_only else 0  # an evaluation: its step
 if eval_only:  # an evaluation reads a checkpoint and writes into no training run's folder
-    run.write = master_process and not run.holds_run()
+    run.write = master_process and not reads_only
 elif init_from != 'resume' and run.holds_run() and not overwrite:
     fail(f"{out_dir}/ already holds a run; continue it with --init_from=resume, "
-         f"or pick another --out_dir, or pass --overwrite=True to replace it")
+         f"or pick another --out_dir, or pass --overwrite=True to replace it"
+         if os.path.exists(run.ckpt_path) else f"{out_dir}/ already holds a run that saved no "
+         f"checkpoint; pass --overwrite=True to start it again, or pick another --out_dir")
 
 # -----------------------------------------------------------------------------
 # the device, the data, the model and the optimizer

@@ -104,6 +104,9 @@ def test_a_diverging_run_stops_and_keeps_the_last_good_checkpoint(workdir, tmp_p
                               '--learning_rate=1e4', f'--out_dir={out}', cwd=workdir))
     assert (re.search(r'at step \d+: the run diverged', line)
             and 'lower --learning_rate' in line), line
+    # the command it prints goes on at a tenth of the learning rate, not at the one that diverged
+    assert line.endswith(" --max_iters=40 --out_dir=" + str(out) + " --learning_rate=1000 "
+                         "--init_from=resume"), line
     assert (out / 'ckpt.pt').read_bytes() == before  # not replaced
     ckpt = torch.load(out / 'ckpt.pt', weights_only=True)
     assert ckpt['iter_num'] == 10 and all(torch.isfinite(v).all() for v in ckpt['model'].values())
@@ -115,7 +118,7 @@ def test_a_diverging_run_stops_and_keeps_the_last_good_checkpoint(workdir, tmp_p
     line = one_error_line(run('train.py', TINY, '--learning_rate=1e4', f'--out_dir={out}-new',
                               cwd=workdir))
     assert line.endswith("; this run wrote no checkpoint; lower --learning_rate (now 10000), then "
-                         "start again"), line
+                         "start again with --overwrite=True"), line
     assert not (tmp_path / 'div-new' / 'ckpt.pt').exists()
 
 
@@ -398,9 +401,11 @@ def test_an_out_dir_that_cannot_be_one_is_said_before_anything_runs(workdir, tmp
     (tmp_path / 'afile').write_text('not a folder')
     for out_dir, message in ((tmp_path / 'afile', 'exists and is not a folder'),
                              (tmp_path / 'afile' / 'run',
-                              f'cannot be created ({tmp_path}/afile is not a folder)')):
+                              f'cannot be created ({tmp_path}/afile is not a folder)'),
+                             ('/proc/run', 'cannot be written (/proc: ')):  # even for root
         line = one_error_line(run('train.py', TINY, f'--out_dir={out_dir}', cwd=workdir))
-        assert line == f"error: --out_dir={out_dir} {message}; give another --out_dir"
+        assert line.startswith(f"error: --out_dir={out_dir} {message}"), line
+        assert line.endswith("; give another --out_dir"), line
 
 
 # -----------------------------------------------------------------------------
@@ -435,11 +440,16 @@ def test_a_second_run_into_a_live_run_s_out_dir_is_refused_and_a_killed_run_hold
         while (not ((out / 'run.lock').exists() and (out / 'run.lock').read_text())
                and time.time() < deadline):
             time.sleep(0.2)
-        for how in ('--overwrite=True', '--init_from=resume', '--eval_only=True'):
+        for how in ('--overwrite=True', '--init_from=resume'):
             line = one_error_line(run('train.py', TINY, '--out_dir=live', how, cwd=workdir))
             assert line.startswith(
                 f"error: --out_dir=live is in use by a live run (pid {first.pid} on host "), line
             assert 'wait for it to end or stop it, or give another --out_dir' in line
+        while not (out / 'log.jsonl').exists() and time.time() < deadline:
+            time.sleep(0.2)
+        # an evaluation writes nothing into a run's folder, so the live one is no obstacle
+        evaluated = run('train.py', TINY, '--out_dir=live', '--eval_only=True', cwd=workdir)
+        assert evaluated.returncode == 0 and 'val ce' in evaluated.stdout, evaluated.stderr
     finally:
         first.kill()  # SIGKILL: no chance to let go of anything itself
         first.wait()
@@ -561,21 +571,29 @@ def test_an_overwritten_run_stopped_before_its_first_save_never_resumes_the_old_
             break
     proc.wait()
     assert not (out / 'ckpt.pt').exists()  # the old run's checkpoint was moved out of the way first
-    assert (out / 'replaced' / 'ckpt.pt').exists() and (out / 'replaced' / 'log.jsonl').exists()
+    [moved] = os.listdir(out / 'replaced')  # a folder of its own
+    assert sorted(os.listdir(out / 'replaced' / moved)) == ['ckpt.pt', 'log.jsonl']
     assert json.loads(open(out / 'log.jsonl').readline())['run_id'] != old_id
     line = one_error_line(run('train.py', TINY, f'--out_dir={out}', '--init_from=resume',
                               cwd=workdir))
-    assert 'there is no checkpoint at' in line
+    assert 'there is no checkpoint at' in line and '--overwrite=True' in line
     # a checkpoint left beside another run's log (moved back by hand, or by an older seqmoe):
     # refused
-    shutil.copy(out / 'replaced' / 'ckpt.pt', out / 'ckpt.pt')
+    shutil.copy(out / 'replaced' / moved / 'ckpt.pt', out / 'ckpt.pt')
     line = one_error_line(run('train.py', TINY, f'--out_dir={out}', '--init_from=resume',
                               cwd=workdir))
     assert f"{out}/ckpt.pt is not the checkpoint of the run in {out}/log.jsonl" in line, line
     # and a run whose log exists without a checkpoint is a run all the same: not replaced silently
     os.remove(out / 'ckpt.pt')
     line = one_error_line(run('train.py', TINY, f'--out_dir={out}', cwd=workdir))
-    assert 'already holds a run' in line
+    assert line.endswith("already holds a run that saved no checkpoint; pass --overwrite=True to "
+                         "start it again, or pick another --out_dir"), line
+    # replaced again: the run replaced first is still there, beside the second
+    again = run('train.py', TINY, f'--out_dir={out}', '--overwrite=True', '--max_iters=0',
+                cwd=workdir)
+    assert again.returncode == 0, again.stderr
+    assert len(os.listdir(out / 'replaced')) == 2
+    assert torch.load(out / 'replaced' / moved / 'ckpt.pt', weights_only=True)['iter_num'] == 10
 
 
 # -----------------------------------------------------------------------------

@@ -167,6 +167,9 @@ def test_help_lists_every_setting_with_its_default_value_and_comment(script, mon
     assert all(literal_eval(value) == defaults[name] for name, value in lines), out
     if script == 'train.py':  # a default made by code: its value, not the code
         assert "  --dataset='shakespeare_char'  # a folder under data/ made by prepare.py" in out
+    comments = [line.split('  # ', 1)[1] for line in out.splitlines()
+                if line.startswith('  --') and '  # ' in line]
+    assert all(c.count('(') == c.count(')') for c in comments), out  # none cut off mid-line
 
 
 def test_bench_decodes_in_the_dtype_it_is_given(tmp_path):
@@ -537,6 +540,39 @@ def test_twenty_steps_straight_equal_ten_plus_resumed_ten(workdir, router):
     assert a['iter'] == b['iter'] == 20
     assert a['val_ce'] == pytest.approx(b['val_ce'], abs=1e-6)
     assert a['train_ce'] == pytest.approx(b['train_ce'], abs=1e-6)
+
+
+def test_a_resume_that_names_only_the_run_goes_on_with_the_run_s_own_settings(workdir):
+    # README's resume: out_dir, init_from and max_iters; batch, learning rates and seed (mrltopk
+    # draws each step's k from it) are the run's, not the defaults
+    common = ['--router=mrltopk', '--top_k=4', '--seed=3', '--batch_size=4', '--learning_rate=1e-3',
+              '--min_lr=1e-4', '--lr_decay_iters=20', '--eval_interval=10']
+    straight = run('train.py', TINY, *common, '--max_iters=20', '--out_dir=own-straight',
+                   cwd=workdir)
+    first = run('train.py', TINY, *common, '--max_iters=10', '--out_dir=own-split', cwd=workdir)
+    resumed = run('train.py', '--out_dir=own-split', '--init_from=resume', '--max_iters=20',
+                  cwd=workdir)
+    for result in (straight, first, resumed):
+        assert result.returncode == 0, result.stderr
+    assert 'global batch 4 sequences' in resumed.stdout
+    a, b = (logged(workdir / d, 'train') for d in ('own-straight', 'own-split'))
+    assert [(r['iter'], r['ce'], r['lr']) for r in a] == [(r['iter'], r['ce'], r['lr']) for r in b]
+    assert logged(workdir / 'own-split', 'done')[-1]['config']['batch_size'] == 4
+
+
+def test_files_written_whole_are_readable_as_the_umask_says_not_owner_only(tmp_path):
+    from checkpoint import written
+    previous = os.umask(0o022)
+    try:
+        with written(str(tmp_path / 'shared.bin')) as tmp, open(tmp, 'wb') as f:
+            f.write(b'weights')
+        os.umask(0o077)
+        with written(str(tmp_path / 'private.bin')) as tmp, open(tmp, 'wb') as f:
+            f.write(b'weights')
+    finally:
+        os.umask(previous)
+    assert os.stat(tmp_path / 'shared.bin').st_mode & 0o777 == 0o644  # as log.jsonl's
+    assert os.stat(tmp_path / 'private.bin').st_mode & 0o777 == 0o600
 
 
 def test_a_run_saves_its_last_step_logs_ms_per_step_and_grad_clip_0_is_no_clipping(workdir):
