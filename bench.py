@@ -28,8 +28,8 @@ import torch.nn.functional as F
 
 import fast
 from cache import Cache
-from configurator import (Rule, autocast_for, configure, each, fail, keep_freed_cpu_memory,
-                          non_negative_int, one_of, positive_int)
+from configurator import (Rule, a_seed, autocast_for, configure, each, fail,
+                          keep_freed_cpu_memory, one_of, positive_int)
 from model import GPT, GPTConfig, MoE
 from router import ROUTERS, batchtopk_mask, seqtopk_mask, step_ks, topk_mask
 from sample import compiled_decode, generate
@@ -63,7 +63,7 @@ decode_ways = 'eager,compiled'  # the decoding step eager, compiled (once, then 
 # -----------------------------------------------------------------------------
 RULES = dict(what=one_of('all', 'route', 'train', 'moe', 'decode'),
              device=Rule(lambda v: v == 'cpu' or v.split(':')[0] == 'cuda', 'cpu, cuda or cuda:N'),
-             dtype=one_of('float32', 'bfloat16'), repeats=positive_int, seed=non_negative_int,
+             dtype=one_of('float32', 'bfloat16'), repeats=positive_int, seed=a_seed,
              sizes=each(one_of('default', 'larger', 'tiny')), train_steps=positive_int,
              routers=each(one_of(*ROUTERS)), moe_tokens=positive_int, moe_embd=positive_int,
              moe_exp_dim=positive_int, moe_n_exp=positive_int, moe_top_k=positive_int,

@@ -77,7 +77,11 @@ def configure(config, args, rules, relations=(), dataclass=None):
                                                   f"lists them)")
         elif os.path.isfile(arg):  # a preset is Python the user wrote, as in nanoGPT's
             preset = {}
-            exec(open(arg).read(), {}, preset)
+            try:
+                exec(compile(open(arg, 'rb').read(), arg, 'exec'), {}, preset)
+            except Exception as e:  # whatever the file does wrong: which file, and what
+                fail(f"preset {arg} did not run as Python ({type(e).__name__}: {e}); a preset "
+                     f"is lines of name = value")
             pairs = [(k, v) for k, v in preset.items() if not k.startswith('_')]
         else:
             fail(f"preset file '{arg}' not found (settings are --key=value)")
@@ -106,6 +110,7 @@ positive = Rule(lambda v: v > 0, 'a positive number')
 non_negative = Rule(lambda v: v >= 0, 'a number >= 0')
 fraction = Rule(lambda v: 0 <= v < 1, 'in [0, 1)')
 non_empty = Rule(lambda v: v != '', 'non-empty text')
+a_seed = Rule(lambda v: 0 <= v < 2 ** 32, 'an integer in [0, 2**32)')  # what torch's RNGs take
 device_name = Rule(lambda v: v in ('auto', 'cpu', 'mps', 'cuda') or v.startswith('cuda:')
                    and v[5:].isdigit(), 'auto, cpu, cuda, cuda:N or mps')
 

@@ -73,6 +73,8 @@ class GPTConfig:
                              ('balance', ('aux', 'bias', 'none'))):
             need(getattr(self, key) in choices, key, 'one of ' + ', '.join(choices))
         need(self.n_embd % self.n_head == 0, 'n_embd', f'a multiple of --n_head={self.n_head}')
+        need(self.moe_every <= self.n_layer, 'moe_every', f'at most --n_layer={self.n_layer} (0: '
+             f'no MoE layer)')
         ROUTERS[self.router].check(self)
 
     def padded_vocab(self):

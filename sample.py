@@ -17,9 +17,9 @@ from torch.nn import functional as F
 import checkpoint as ckpt
 import fast
 from cache import Cache
-from configurator import (autocast_for, configure, device_name, fail, keep_freed_cpu_memory,
-                          non_empty, non_negative, non_negative_int, one_of, pick_device,
-                          positive_int)
+from configurator import (a_seed, autocast_for, configure, device_name, fail,
+                          keep_freed_cpu_memory, non_empty, non_negative, non_negative_int, one_of,
+                          pick_device, positive_int)
 from model import GPT, GPTConfig
 from prepare import get_codec
 from router import MRLTopK, SeqTopK, TopK
@@ -41,7 +41,7 @@ color = False              # colour each token by the experts it took, mean over
 # -----------------------------------------------------------------------------
 RULES = dict(out_dir=non_empty, start=non_empty, num_samples=positive_int,
              max_new_tokens=positive_int, temperature=non_negative,
-             sample_top_k=non_negative_int, seed=non_negative_int, device=device_name,
+             sample_top_k=non_negative_int, seed=a_seed, device=device_name,
              dtype=one_of('auto', 'float32', 'bfloat16', 'float16'),
              prompt_routing=one_of('online', 'joint'))
 RELATIONS = [('prompt_routing', lambda c: c['prompt_routing'] == 'online' or c['use_cache'],

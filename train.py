@@ -21,9 +21,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import checkpoint as ckpt
 import fast
-from configurator import (Rule, at_step, autocast_for, check, configure, device_name, fraction,
-                          keep_freed_cpu_memory, non_empty, non_negative, non_negative_int, one_of,
-                          pick_device, positive, positive_int, schedule)
+from configurator import (Rule, a_seed, at_step, autocast_for, check, configure, device_name,
+                          fraction, keep_freed_cpu_memory, non_empty, non_negative,
+                          non_negative_int, one_of, pick_device, positive, positive_int, schedule)
 from model import GPT, GPTConfig
 from router import ROUTERS, step_ks
 from stats import (ExpertSpend, add_counts, done_line, done_summary, eval_line,
@@ -72,7 +72,7 @@ RULES = dict(
     weight_decay=non_negative, beta1=fraction, beta2=fraction, grad_clip=non_negative,
     warmup_iters=non_negative_int, lr_decay_iters=non_negative_int, min_lr=non_negative,
     device=device_name, dtype=one_of('auto', 'float32', 'bfloat16', 'float16'),
-    moe_impl=one_of('grouped', 'loop'), seed=non_negative_int)
+    moe_impl=one_of('grouped', 'loop'), seed=a_seed)
 RELATIONS = [('min_lr', lambda c: c['min_lr'] <= c['learning_rate'],
               'at most --learning_rate={learning_rate}')]
 MODEL_RELATIONS = [  # checked on the model's settings as the run uses them (a checkpoint's, merged)

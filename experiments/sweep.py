@@ -30,8 +30,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # the model's files
 
 from checkpoint import code_version, lock, lock_holder, written  # noqa: E402
-from configurator import (Rule, configure, each, fail, non_empty, non_negative_int,  # noqa: E402
-                          one_of, parse, positive_int)
+from configurator import (Rule, a_seed, configure, each, fail, non_empty, one_of,  # noqa: E402
+                          parse, positive_int)
 from router import ROUTERS  # noqa: E402
 from compare import (format_difference, last_done, markdown, mean_std,  # noqa: E402
                      paired_difference, read_run)
@@ -58,7 +58,7 @@ def router_of(variant):  # 'seqtopk+balance=bias' -> 'seqtopk'
 
 
 RULES = dict(out_dir=non_empty, routers=each(one_of(*ROUTERS), router_of),
-             top_ks=each(positive_int, int), seeds=each(non_negative_int, int),
+             top_ks=each(positive_int, int), seeds=each(a_seed, int),
              max_iters=positive_int, pretrain_k=positive_int, pretrain_iters=positive_int,
              jobs=positive_int,
              dense=Rule(lambda v: v == '' or all(i in ('active', 'total') for i in v.split(',')),
