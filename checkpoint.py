@@ -460,11 +460,12 @@ class Run:
         launcher = f"torchrun --standalone --nproc_per_node={self.world_size}" * self.ddp
         return f"{launcher or 'python'} {shlex.join([sys.argv[0], *args])}"
 
-    def kept(self, fix, **changes):
+    def kept(self, fix='', **changes):
         """What a stopped run leaves, and how to go on."""
+        then = f"{fix}, then " if fix else ''
         if self.saved_iter is None:
-            return f"this run wrote no checkpoint; {fix}, then start again with --overwrite=True"
-        return (f"{self.ckpt_path} is left as it was (step {self.saved_iter}); {fix}, then "
+            return f"this run wrote no checkpoint; {then}start again with --overwrite=True"
+        return (f"{self.ckpt_path} is left as it was (step {self.saved_iter}); {then}"
                 f"continue with: {self.resume_command(**changes)}")
 
     def stop(self, why, fix, **changes):
@@ -490,9 +491,16 @@ class Run:
         if bad := non_finite(model.state_dict()):  # equal on every rank under DDP
             self.diverged(step, f"the weights hold NaN or inf ({bad[0]})")
 
-    def listen(self):
+    def listen(self, at_once=False):
         def request(signum, frame):  # the loop finishes its step, saves and exits
-            self.signal = self.signal or signal.Signals(signum).name
+            name = signal.Signals(signum).name
+            if at_once:  # an evaluation: nothing to save
+                self.fail(f"{name}: stopped the evaluation before its end")
+            if self.signal:  # asked twice: no waiting for the step
+                self.fail(f"{name} again: stopped at once; {self.kept()}")
+            self.signal = name
+            if self.master:
+                print(f"{name}: stopping after this step (again: at once)", flush=True)
         signal.signal(signal.SIGTERM, request)
         signal.signal(signal.SIGINT, request)
 

@@ -284,7 +284,7 @@ if init_from != 'resume' or eval_only:  # a new run, or an evaluation in a folde
                  run_id=run_id, from_run=from_run, code=code, params=raw_model.num_params(),
                  active_params=raw_model.num_params(active=True)))
     run.write_failed()
-run.listen()
+run.listen(at_once=eval_only)  # an evaluation has nothing to save
 if eval_only and any(r.needs_calibration() for r in routers):
     # e.g. batchtopk on a checkpoint not trained with it: its threshold set from training batches
     calibration = torch.Generator().manual_seed(seed)

@@ -164,6 +164,38 @@ def test_sigterm_saves_and_resume_equals_an_uninterrupted_run(workdir):
     assert resumed.stdout.splitlines()[-2] == straight.stdout.splitlines()[-2]
 
 
+def test_a_signal_stops_an_evaluation_at_once_and_a_second_stops_training_at_once(workdir,
+                                                                                  tmp_path):
+    def started(*args):  # in the first evaluation's million batches
+        proc = subprocess.Popen([sys.executable, os.path.join(REPO, 'train.py'), TINY,
+                                 '--eval_iters=1000000', *args], cwd=workdir, env=OFFLINE_ENV,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        procs.append(proc)
+        while 'parameters' not in proc.stdout.readline():
+            pass
+        time.sleep(2)  # past run.listen()
+        return proc
+    procs = []
+    try:
+        evaluation = started('--eval_only=True', f'--out_dir={tmp_path}/eval')
+        evaluation.send_signal(signal.SIGTERM)  # nothing to save: no waiting
+        out = evaluation.communicate(timeout=60)[0]
+        assert evaluation.returncode == 1 and out.splitlines()[-1] == (
+            "error: SIGTERM: stopped the evaluation before its end"), out
+        training = started(f'--out_dir={tmp_path}/train')
+        training.send_signal(signal.SIGINT)  # Ctrl-C: after the step, which the evaluation holds up
+        assert training.stdout.readline() == "SIGINT: stopping after this step (again: at once)\n"
+        training.send_signal(signal.SIGINT)  # again: now
+        out = training.communicate(timeout=60)[0]
+        assert training.returncode == 1 and out.splitlines()[-1] == (
+            "error: SIGINT again: stopped at once; this run wrote no checkpoint; start again with "
+            "--overwrite=True"), out
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+
+
 def child_with_rank(pid, rank):
     """The torchrun worker process of the given rank, a child of pid (Linux /proc)."""
     for child in open(f'/proc/{pid}/task/{pid}/children').read().split():
