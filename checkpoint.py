@@ -377,6 +377,7 @@ class Run:
         self.log_path = os.path.join(out_dir, 'log.jsonl')
         self.ckpt_path = os.path.join(out_dir, 'ckpt.pt')
         self.saved_iter = self.error = self.signal = None
+        self.signal_at = 0.0  # when the first signal came: torchrun passes a Ctrl-C on, too
 
     # its folder and files
 
@@ -496,11 +497,11 @@ class Run:
             name = signal.Signals(signum).name
             if at_once:  # an evaluation: nothing to save
                 self.fail(f"{name}: stopped the evaluation before its end")
-            if self.signal:  # asked twice: no waiting for the step
+            if self.signal and time.time() > self.signal_at + 2:  # not torchrun passing it on
                 self.fail(f"{name} again: stopped at once; {self.kept()}")
-            self.signal = name
-            if self.master:
+            if not self.signal and self.master:
                 print(f"{name}: stopping after this step (again: at once)", flush=True)
+            self.signal, self.signal_at = self.signal or name, self.signal_at or time.time()
         signal.signal(signal.SIGTERM, request)
         signal.signal(signal.SIGINT, request)
 

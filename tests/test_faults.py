@@ -185,6 +185,9 @@ def test_a_signal_stops_an_evaluation_at_once_and_a_second_stops_training_at_onc
         training = started(f'--out_dir={tmp_path}/train')
         training.send_signal(signal.SIGINT)  # Ctrl-C: after the step, which the evaluation holds up
         assert training.stdout.readline() == "SIGINT: stopping after this step (again: at once)\n"
+        training.send_signal(signal.SIGINT)  # at once: the same Ctrl-C, passed on by torchrun
+        time.sleep(2.5)
+        assert training.poll() is None
         training.send_signal(signal.SIGINT)  # again: now
         out = training.communicate(timeout=60)[0]
         assert training.returncode == 1 and out.splitlines()[-1] == (
@@ -194,6 +197,28 @@ def test_a_signal_stops_an_evaluation_at_once_and_a_second_stops_training_at_onc
         for proc in procs:
             proc.kill()
             proc.wait()
+
+
+@pytest.mark.skipif(not hasattr(os, 'killpg'), reason="sends a signal to a process group")
+def test_a_ctrl_c_to_a_torchrun_job_saves_though_torchrun_passes_it_on_again(workdir):
+    # a terminal's Ctrl-C reaches every process of the job, and torchrun sends it on to its workers
+    proc = subprocess.Popen([sys.executable, '-m', 'torch.distributed.run', '--standalone',
+                             '--nproc_per_node=2', os.path.join(REPO, 'train.py'), TINY,
+                             '--device=cpu', '--max_iters=100000', '--eval_interval=1000',
+                             '--log_interval=1', '--out_dir=ddp-ctrl-c'], cwd=workdir,
+                            env=OFFLINE_ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    output = []
+    for line in proc.stdout:
+        output.append(line)
+        if line.startswith('iter 3:'):
+            os.killpg(proc.pid, signal.SIGINT)
+            break
+    output = ''.join(output + proc.stdout.readlines())
+    proc.wait(timeout=120)
+    step = int(re.search(r'SIGINT: stopped after step (\d+) and saved', output).group(1))
+    assert torch.load(workdir / 'ddp-ctrl-c' / 'ckpt.pt', weights_only=True)['iter_num'] == step
+    assert 'stopped at once' not in output
 
 
 def child_with_rank(pid, rank):
