@@ -27,6 +27,13 @@ def fail(message, quiet=False):
     raise SystemExit(1 if quiet else f"error: {message}")
 
 
+def parse_args(parser, argv=None):
+    """argparse's arguments for the scripts that use it, each error one line (fail), not its
+    usage block."""
+    parser.error = lambda message: fail(f"{message} (--help lists the options)")
+    return parser.parse_args(argv)
+
+
 def settings_block(path, dataclass=None):
     """[(name, comment)] of the settings block of the script at path (and dataclass's)."""
     def entries(code, nodes):

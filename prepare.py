@@ -25,7 +25,7 @@ import numpy as np
 from tqdm import tqdm
 
 from checkpoint import written
-from configurator import fail
+from configurator import fail, parse_args
 
 # sha256 of the GPT-2 files, as tiktoken_ext.openai_public checks them
 GPT2_VOCAB_BPE_SHA256 = "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5"
@@ -251,8 +251,7 @@ def main(argv=None):
     parser.add_argument('--val_fraction', type=float,
                         help="held-out share (default 0.1 for text, 0.0005 for --source)")
     parser.add_argument('--num_proc', type=int, default=max(1, (os.cpu_count() or 2) // 2))
-    parser.error = lambda message: fail(f"{message} (--help lists the options)")
-    args = parser.parse_args(argv)
+    args = parse_args(parser, argv)
     if args.text and args.source:
         fail("give --text or --source, not both")
     if args.num_proc < 1:

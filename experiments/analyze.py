@@ -27,7 +27,7 @@ from plot import save_figure, side_by_side  # noqa: E402
 from checkpoint import get_batch  # noqa: E402
 from compare import (format_difference, last_done, markdown, mean_std,  # noqa: E402
                      paired_difference, read_run)
-from configurator import fail  # noqa: E402
+from configurator import fail, parse_args  # noqa: E402
 
 
 def runs_of(roots, router, k):
@@ -388,8 +388,7 @@ def main(argv=None):
     parser.add_argument('--batches', type=int, default=20, help="val batches of 16 x block_size")
     parser.add_argument('--dataset', default='shakespeare_char', help="a folder under data/")
     parser.add_argument('--out_dir', help="--chars: a folder for its figure and numbers")
-    parser.error = lambda message: fail(f"{message} (--help lists the options)")
-    args = parser.parse_args(argv)
+    args = parse_args(parser, argv)
     if (args.equal_compute or args.causal) and not args.router:
         parser.error("--equal_compute and --causal compare a --router with topk: give --router")
     if not re.fullmatch(r'[1-9]\d*(,[1-9]\d*)*', args.top_ks):

@@ -28,7 +28,7 @@ from matplotlib.patches import Rectangle  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # noqa: E402
 
-from configurator import fail  # noqa: E402
+from configurator import fail, parse_args  # noqa: E402
 from router import batchtopk_mask, online_seqtopk_mask, seqtopk_mask, topk_mask  # noqa: E402
 from compare import read_run  # noqa: E402
 from stats import layer_mean, summed_histogram  # noqa: E402
@@ -398,8 +398,7 @@ def main(argv=None):
                         help="--curves: the CE a run's step is found below")
     parser.add_argument('--out_dir', help="the folder for the PNGs (default: figures, with "
                         "--explain results/explain)")
-    parser.error = lambda message: fail(f"{message} (--help lists the options)")
-    args = parser.parse_args(argv)
+    args = parse_args(parser, argv)
     out, figures = args.out_dir or ('results/explain' if args.explain else 'figures'), {}
     if args.explain:
         figures = explain(args.runs)
