@@ -127,16 +127,20 @@ def train_losses(out_dir):
             if r['event'] == 'train'}
 
 
-def start_and_stop(cmd, cwd, after_line, target=None):
-    """Start a training command, send SIGTERM (to target(pid) or the process) once after_line is
-    printed, and return (return code, output, the step it stopped after)."""
+def start_and_stop(cmd, cwd, after_line, target=None, group=False, sig=signal.SIGTERM):
+    """Start a training command, send sig (to target(pid), the process, or with group=True its
+    whole process group, as a terminal's Ctrl-C) once after_line is printed, and return (return
+    code, output, the step it stopped after)."""
     proc = subprocess.Popen(cmd, cwd=cwd, env=OFFLINE_ENV, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+                            stderr=subprocess.STDOUT, text=True, start_new_session=group)
     output = []
     for line in proc.stdout:
         output.append(line)
         if line.startswith(after_line):
-            os.kill(target(proc.pid) if target else proc.pid, signal.SIGTERM)
+            if group:
+                os.killpg(proc.pid, sig)
+            else:
+                os.kill(target(proc.pid) if target else proc.pid, sig)
             break
     output += proc.stdout.readlines()
     output = ''.join(output)
@@ -202,21 +206,12 @@ def test_a_signal_stops_an_evaluation_at_once_and_a_second_stops_training_at_onc
 @pytest.mark.skipif(not hasattr(os, 'killpg'), reason="sends a signal to a process group")
 def test_a_ctrl_c_to_a_torchrun_job_saves_though_torchrun_passes_it_on_again(workdir):
     # a terminal's Ctrl-C reaches every process of the job, and torchrun sends it on to its workers
-    proc = subprocess.Popen([sys.executable, '-m', 'torch.distributed.run', '--standalone',
-                             '--nproc_per_node=2', os.path.join(REPO, 'train.py'), TINY,
-                             '--device=cpu', '--max_iters=100000', '--eval_interval=1000',
-                             '--log_interval=1', '--out_dir=ddp-ctrl-c'], cwd=workdir,
-                            env=OFFLINE_ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
-    output = []
-    for line in proc.stdout:
-        output.append(line)
-        if line.startswith('iter 3:'):
-            os.killpg(proc.pid, signal.SIGINT)
-            break
-    output = ''.join(output + proc.stdout.readlines())
-    proc.wait(timeout=120)
-    step = int(re.search(r'SIGINT: stopped after step (\d+) and saved', output).group(1))
+    _, output, step = start_and_stop(
+        [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
+         os.path.join(REPO, 'train.py'), TINY, '--device=cpu', '--max_iters=100000',
+         '--eval_interval=1000', '--log_interval=1', '--out_dir=ddp-ctrl-c'],
+        workdir, after_line='iter 3:', group=True, sig=signal.SIGINT)
+    assert f'SIGINT: stopped after step {step} and saved' in output, output
     assert torch.load(workdir / 'ddp-ctrl-c' / 'ckpt.pt', weights_only=True)['iter_num'] == step
     assert 'stopped at once' not in output
 
