@@ -499,9 +499,11 @@ class Run:
                 self.fail(f"{name}: stopped the evaluation before its end")
             if self.signal and time.time() > self.signal_at + 2:  # not torchrun passing it on
                 self.fail(f"{name} again: stopped at once; {self.kept()}")
-            if not self.signal and self.master:
+            if self.signal:  # the same stop passed on (torchrun; timeout signals run and group)
+                return
+            self.signal, self.signal_at = name, time.time()  # before print: it may be interrupted
+            if self.master:
                 print(f"{name}: stopping after this step (again: at once)", flush=True)
-            self.signal, self.signal_at = self.signal or name, self.signal_at or time.time()
         signal.signal(signal.SIGTERM, request)
         signal.signal(signal.SIGINT, request)
 

@@ -203,6 +203,43 @@ def test_a_signal_stops_an_evaluation_at_once_and_a_second_stops_training_at_onc
             proc.wait()
 
 
+def test_a_signal_that_comes_again_while_the_first_is_announced_is_announced_once(tmp_path,
+                                                                                   capsys):
+    # timeout(1) sends SIGTERM to the run and again to its process group: the second can land
+    # inside the first's print (seen on a GPU machine as the message twice on one line)
+    from checkpoint import Run
+    stop = Run(str(tmp_path), ddp=False, master=True, world_size=1, settings={})
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+    class Interrupted:  # stdout whose first write brings the second signal
+        def __init__(self):
+            self.text, self.sent = '', False
+
+        def write(self, text):
+            if not self.sent:
+                self.sent = True
+                os.kill(os.getpid(), signal.SIGTERM)
+            self.text += text
+
+        def flush(self):
+            pass
+    out = Interrupted()
+    try:
+        stop.listen()
+        with capsys.disabled():
+            sys.stdout, real = out, sys.stdout
+            try:
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(0.1)
+            finally:
+                sys.stdout = real
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    assert out.sent and stop.signal == 'SIGTERM'
+    assert out.text == "SIGTERM: stopping after this step (again: at once)\n"
+
+
 @pytest.mark.skipif(not hasattr(os, 'killpg'), reason="sends a signal to a process group")
 def test_a_ctrl_c_to_a_torchrun_job_saves_though_torchrun_passes_it_on_again(workdir):
     # a terminal's Ctrl-C reaches every process of the job, and torchrun sends it on to its workers
