@@ -1,16 +1,19 @@
 #!/usr/bin/env bash
-# The GPU tables in one run of about 5 minutes on one H100, each part under its own timeout and
-# every log in one folder (README, "Speed"; results/README.md, "GPU"):
-#   tests         the CUDA tests
-#   bench-eager   bench.py, bf16: training step per router, MoE layer vs dense FFN (64 experts,
-#                 top-8), cached decoding tok/s, eager and compiled (CUDA graphs)
+# The GPU tables in one run of about 6 minutes on one H100 or H200, each part under its own
+# timeout and every log in one folder (README, "Speed"; results/README.md, "GPU"). The benchmarks
+# run one at a time, alone; then the parts that time nothing run together:
+#   bench-train   bench.py, bf16: the training step per router, default model, eager
+#   bench-moe     the MoE layer vs the dense FFN (64 experts, top-8), eager
+#   bench-decode  cached decoding tok/s, eager and compiled (CUDA graphs)
 #   bench-*-compiled  the training step (topk, seqtopk) and the MoE layer again, compiled
-#   train         a default train.py run, --compile=True
-#   sweep         in the time left: topk and seqtopk at K=2 on GPT-2 BPE Shakespeare, 5 seeds
-#                 each, all runs at once on the one GPU, tabulated with paired intervals
-# Run it where data/ is (the runs read data/<dataset>). A GPU machine may lack the packages that
-# prepare the data and run the tests: prepare data/ first and carry it; wheels/ (pytest and what
-# it needs: pip download pytest -d wheels) is installed when present.
+#   tests         the CUDA tests                                      } together,
+#   train         a default train.py run, --compile=True              } after the
+#   sweep         topk and seqtopk at K=2 on GPT-2 BPE Shakespeare,   } benchmarks
+#                 5 seeds each, all runs at once, with paired intervals
+# The limits come from one H200 run (results/README.md, "GPU (NVIDIA H200)"): cold compiles take
+# most of each compiled part. Run it where data/ is (the runs read data/<dataset>). A GPU machine
+# may lack the packages that prepare the data and run the tests: prepare data/ first and carry
+# it; wheels/ (pytest and what it needs: pip download pytest -d wheels) is installed when present.
 #   python prepare.py --tokenizer=gpt2          # data/shakespeare (and train.py makes the other)
 #   bash experiments/gpu.sh OUT_DIR             # on the GPU: OUT_DIR/summary.txt, OUT_DIR/*.log
 #   bash experiments/gpu.sh OUT_DIR --cpu       # the same parts, tiny, on the CPU (tests run it)
@@ -23,7 +26,6 @@ mkdir -p "$out"
 export TORCHINDUCTOR_CACHE_DIR=$(mktemp -d)
 if [ -d wheels ]; then pip install -q --no-index wheels/*.whl > "$out/wheels.log" 2>&1; fi
 : > "$out/summary.txt"
-budget=300  # seconds, on the GPU
 scale=1     # the parts' limits x scale
 if [ "${2:-}" = --cpu ]; then
   device=(--device=cpu --dtype=float32)
@@ -37,9 +39,10 @@ if [ "${2:-}" = --cpu ]; then
   scale=8  # cold compiles on a laptop's cores, not a GPU's seconds
 else
   device=(--device=cuda --dtype=bfloat16)
-  sizes=()
-  # 128 tokens and one long context: the compiles (three, cold) take most of the part's time
-  decode=(--new_tokens=128 --contexts=960 --steps_at_context=32)
+  sizes=(--sizes=default)
+  # one round at one long context: the compiles (three, cold: 19, 14 and about 14 s on the H200)
+  # take most of the part's time
+  decode=(--new_tokens=64 --contexts=960 --steps_at_context=16 --repeats=1)
   model=(--max_iters=300)
   sweep_args="--dataset=shakespeare --n_layer=6 --n_head=8 --n_embd=256 --n_exp=64 --exp_dim=32
     --block_size=256 --batch_size=16 --learning_rate=1e-3 --min_lr=1e-4 --warmup_iters=30
@@ -52,27 +55,30 @@ part() {  # part NAME SECONDS COMMAND...: the command under a timeout, its outpu
   local name=$1 limit=$(( $2 * scale )) t0
   shift 2
   t0=$(date +%s)
-  timeout "$limit" "$@" > "$out/$name.log" 2>&1
+  # -k: killed 10 s after the limit (on the H200 a compiling train.py told to stop was still
+  # running 2 minutes later)
+  timeout -k 10 "$limit" "$@" > "$out/$name.log" 2>&1
   echo "$name: exit $? after $(( $(date +%s) - t0 )) s (limit $limit s)" | tee -a "$out/summary.txt"
 }
 
 python -c "import sys, torch; print(torch.__version__, sys.version.split()[0],
   torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU')" > "$out/versions.txt"
 bench=(python "$root/bench.py" "${device[@]}")  # --cpu: tiny sizes last, so that they win
-part tests 70 python -m pytest -q -rs -k cuda "$root/tests/test_model.py" \
-  "$root/tests/test_decoding.py" "$root/tests/test_faults.py"
-part bench-train 30 "${bench[@]}" --what=train --out_dir="$out/bench-train" "${sizes[@]}"
+# measured on the H200 (s): bench-train 6 routers < 31, bench-moe 11, bench-decode > 95 (with 3
+# rounds), bench-train-compiled 60 (3 rounds), tests 73 and the sweep 46 (side by side)
+part bench-train 40 "${bench[@]}" --what=train --out_dir="$out/bench-train" "${sizes[@]}"
 part bench-moe 20 "${bench[@]}" --what=moe --out_dir="$out/bench-moe" "${sizes[@]}"
-part bench-decode 75 "${bench[@]}" --what=decode --out_dir="$out/bench-decode" "${decode[@]}" \
+part bench-decode 110 "${bench[@]}" --what=decode --out_dir="$out/bench-decode" "${decode[@]}" \
   "${sizes[@]}"
-part bench-train-compiled 45 "${bench[@]}" --what=train --compile=True --sizes=default \
-  --routers=topk,seqtopk --out_dir="$out/bench-train-compiled" "${sizes[@]}"
-part bench-moe-compiled 25 "${bench[@]}" --what=moe --compile=True \
+part bench-train-compiled 70 "${bench[@]}" --what=train --compile=True --sizes=default \
+  --routers=topk,seqtopk --repeats=3 --out_dir="$out/bench-train-compiled" "${sizes[@]}"
+part bench-moe-compiled 50 "${bench[@]}" --what=moe --compile=True --moe_repeats=5 \
   --out_dir="$out/bench-moe-compiled" "${sizes[@]}"
-part train 35 python "$root/train.py" "${model[@]}" --compile=True --out_dir="$out/train" \
-  --overwrite=True
-left=$(( budget - ($(date +%s) - start) / scale ))
-part sweep $(( left > 30 ? left : 30 )) python "$root/experiments/sweep.py" --routers=topk,seqtopk \
-  --top_ks=2 --seeds=1,2,3,4,5 --jobs=10 --max_iters=$iters --out_dir="$out/sweep" \
-  --train_args="$sweep_args"
+part tests 90 python -m pytest -q -rs -k cuda "$root/tests/test_model.py" \
+  "$root/tests/test_decoding.py" "$root/tests/test_faults.py" &
+part train 90 python "$root/train.py" "${model[@]}" --compile=True --out_dir="$out/train" \
+  --overwrite=True &
+part sweep 90 python "$root/experiments/sweep.py" --routers=topk,seqtopk --top_ks=2 \
+  --seeds=1,2,3,4,5 --jobs=10 --max_iters=$iters --out_dir="$out/sweep" --train_args="$sweep_args"
+wait
 echo "total: $(( $(date +%s) - start )) s" | tee -a "$out/summary.txt"
