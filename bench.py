@@ -278,6 +278,10 @@ def decode_in_turns(ways, prompt, steps, recompute_every=1, block=16, recompute=
     return cached, recomputed, idx
 
 
+def progress(text):  # where a long decoding table's time goes, beside the table (stderr)
+    print(f"bench decode: {text}", file=sys.stderr, flush=True)
+
+
 def speed_ratio(runs, name, base, skip=0):  # name's cached speed over base's: all, each round
     total = {n: sum(sum(cached[n][skip:]) for cached, *_ in runs) for n in (name, base)}
     rounds = [sum(cached[base][skip:]) / sum(cached[name][skip:]) for cached, *_ in runs]
@@ -308,6 +312,8 @@ def bench_decode(results):
                                                         decode=step, cache=cache))
         if name[1] != 'eager':
             compile_s[name] = seconds
+        progress(f"{name[0]}, {name[1]}: the first 16 tokens in {seconds:.1f} s"
+                 + " (the compile included)" * (name[1] != 'eager'))
         if not torch.equal(decode_in_turns({name: ways[name]}, prompt, 16)[2][name], generated):
             fail(f"bench's decoding loop and generate() disagree for {name[0]}, {name[1]}")
     decode_in_turns(ways, prompt, 16)  # a warm-up of the turns themselves
@@ -320,8 +326,11 @@ def bench_decode(results):
           f"{compiled})", "router | decoding step | KV + Expert Cache tok/s | full recompute tok/s "
           "(eager) | speed-up")
     recompute = {(router, way_names[0]) for router in models}  # the model's own forward: eager
-    runs = [decode_in_turns(ways, prompt, new_tokens, recompute=recompute)
-            for _ in range(min(repeats, 3))]  # a minute a round on CPU
+    runs = []
+    for i in range(min(repeats, 3)):  # a minute a round on CPU
+        t0 = time.perf_counter()
+        runs.append(decode_in_turns(ways, prompt, new_tokens, recompute=recompute))
+        progress(f"round {i + 1} of {min(repeats, 3)}: {time.perf_counter() - t0:.1f} s")
     for router, way in ways:
         cached = sum(sum(c[(router, way)]) for c, *_ in runs) / len(runs)
         recomputed = sum(sum(r[(router, way_names[0])]) for _, r, *_ in runs) / len(runs)
@@ -351,8 +360,10 @@ def bench_decode(results):
     cache = ways[('seqtopk', way_names[0])][2]
     for context in (int(c) for c in contexts.split(',')):
         prompt = torch.randint(0, shape['vocab_size'], (1, context), generator=gen).to(device)
+        t0 = time.perf_counter()
         runs = [decode_in_turns(ways, prompt, steps_at_context + 1, recompute_every=8,
                                 recompute=recompute) for _ in range(repeats + 1)][1:]
+        progress(f"context {context}: {repeats + 1} rounds in {time.perf_counter() - t0:.1f} s")
         again = {r: statistics.mean(s for _, rec, _ in runs for s in rec[(r, way_names[0])])
                  for r in models}
         kv, expert = (sum(t.numel() * t.element_size() for layer in cache.layers for t in
