@@ -299,19 +299,20 @@ def layout(tokens, width):
     return places
 
 
-def token_figure(texts, counts, top_k, titles, width=40):
+def token_figure(texts, counts, top_ks, titles, width=40):
     """Per sample its tokens' strings (texts) on backgrounds coloured by the experts each took
-    (counts: (layers, tokens)), as sample.shade: blue fewer than top_k, grey top_k, red more."""
+    (counts: (layers, tokens)), as sample.shade of its own K (top_ks): blue fewer than K, grey K,
+    red more."""
     from sample import shade
     cmap = plt.get_cmap('coolwarm')
-    colour = lambda n: cmap(0.5 + 0.5 * shade(int(n), top_k))  # noqa: E731
+    colour = lambda n, k: cmap(0.5 + 0.5 * shade(int(n), k))  # noqa: E731
     shown = [[token.replace('\n', '⏎').replace(' ', '·')[:width] for token in text]
              for text in texts]
     places = [layout(text, width) for text in shown]  # a word piece as wide as its text
     rows = [place[-1][1] + 1 if place else 0 for place in places]
     fig, ax = plt.subplots(figsize=(width * 0.2 + 1, 4))
     row = 0
-    for text, place, count, title, n_rows in zip(shown, places, counts, titles, rows):
+    for text, place, count, k, title, n_rows in zip(shown, places, counts, top_ks, titles, rows):
         ax.text(0, row, title, fontsize=10, weight='bold', va='center')
         row += 1
         blocks = []  # consecutive layers that gave every token the same count: one block
@@ -324,7 +325,7 @@ def token_figure(texts, counts, top_k, titles, width=40):
             name = f"layer {group[0]}" if len(group) == 1 else f"layers {group[0]}-{group[-1]}"
             ax.text(-1, row, name, fontsize=7, va='center', ha='right')
             for token, (x, y, cells), n in zip(text, place, taken):
-                ax.add_patch(Rectangle((x - 0.5, row + y - 0.5), cells, 1, color=colour(n)))
+                ax.add_patch(Rectangle((x - 0.5, row + y - 0.5), cells, 1, color=colour(n, k)))
                 ax.text(x - 0.5 + cells / 2, row + y, token, ha='center', va='center', fontsize=8,
                         family='monospace')
             row += n_rows + 1
@@ -332,9 +333,15 @@ def token_figure(texts, counts, top_k, titles, width=40):
     ax.set_ylim(row, -1)
     fig.set_figheight(row * 0.3 + 0.4)
     ax.axis('off')
-    legend = [Rectangle((0, 0), 1, 1, color=colour(n)) for n in range(1, top_k + 3)]
-    ax.legend(legend, [f"{n} expert{'s' * (n > 1)}" for n in range(1, top_k + 3)],
-              ncol=top_k + 2, loc='lower center', bbox_to_anchor=(0.5, 1.0), fontsize=8,
+    if len(set(top_ks)) == 1:  # every count from the fewest taken (relu's 0) to K+2
+        k = top_ks[0]
+        fewest = min(1, *(int(torch.as_tensor(count).min()) for count in counts))
+        keys = [(colour(n, k), f"{n} expert{'s' * (n != 1)}") for n in range(fewest, k + 3)]
+    else:  # several K: the shades' meaning (each panel's title gives its K)
+        keys = [(cmap(0.5 + 0.5 * f), name) for f, name in (
+            (-0.5, 'fewer than K'), (0, 'K'), (0.5, 'more than K'))]
+    ax.legend([Rectangle((0, 0), 1, 1, color=c) for c, _ in keys], [name for _, name in keys],
+              ncol=len(keys), loc='lower center', bbox_to_anchor=(0.5, 1.0), fontsize=8,
               frameon=False)
     fig.tight_layout()
     return fig
@@ -346,10 +353,18 @@ def sample_routing(out_dir, prompt, new_tokens, seed=0):
     from prepare import get_codec
     from sample import ExpertCounts, generate, load_model
     model, meta = load_model(out_dir, 'cpu')
+    if not model.routers():
+        fail(f"{out_dir} holds a dense GPT (no MoE layer): its tokens take no experts to colour")
     encode, decode = get_codec(meta)
+    try:
+        start = encode(prompt)
+    except ValueError:  # a vocabulary without those characters: its first token instead
+        start = [0]
+        print(f"note: {out_dir}'s vocabulary cannot spell {prompt!r}; its sample starts from "
+              f"{decode(start)!r}")
     torch.manual_seed(seed)
     counts = ExpertCounts()
-    ids = generate(model, torch.tensor([encode(prompt)]), new_tokens, temperature=0.8,
+    ids = generate(model, torch.tensor([start]), new_tokens, temperature=0.8,
                    sample_top_k=50, on_token=counts.add)[0].tolist()
     per_layer = counts.per_layer()  # every token but the last went through the layers
     return [decode([i]) for i in ids[:per_layer.shape[1]]], per_layer, model.config
@@ -367,7 +382,7 @@ def explain(runs=(), prompt='ROMEO:', new_tokens=120):
     if runs:
         samples = [sample_routing(run, prompt, new_tokens) for run in runs]
         figures['tokens.png'] = token_figure(
-            [s[0] for s in samples], [s[1] for s in samples], samples[0][2].top_k,
+            [s[0] for s in samples], [s[1] for s in samples], [s[2].top_k for s in samples],
             [f"{s[2].router}, K={s[2].top_k}: experts per token in each layer" for s in samples])
     return figures
 

@@ -610,10 +610,44 @@ def test_word_pieces_are_drawn_whole_each_box_as_wide_as_its_text():
     from matplotlib.patches import Rectangle
     assert plot.layout(['ROM', 'EO', ':⏎', '·the'], 5) == [(0, 0, 3), (3, 0, 2), (0, 1, 2),
                                                            (0, 2, 4)]
-    fig = plot.token_figure([['ROM', 'EO', ':\n', ' the']], [[[1, 2, 3, 2]]], 2, ['GPT-2 BPE'])
+    fig = plot.token_figure([['ROM', 'EO', ':\n', ' the']], [[[1, 2, 3, 2]]], [2], ['GPT-2 BPE'])
     ax = fig.axes[0]
     assert [t.get_text() for t in ax.texts][2:6] == ['ROM', 'EO', ':⏎', '·the']
     assert [p.get_width() for p in ax.patches if isinstance(p, Rectangle)] == [3, 2, 2, 4]
+
+
+def test_each_run_s_tokens_are_coloured_by_its_own_k(monkeypatch):
+    # two runs whose every token took exactly its K (1 and 3): every box the grey of "K"
+    import types
+    import plot
+    import torch
+    from matplotlib.patches import Rectangle
+    runs = {'k1': 1, 'k3': 3}
+    monkeypatch.setattr(plot, 'sample_routing', lambda run, *_: (
+        ['a', 'b', 'c'], torch.full((2, 3), runs[run]),
+        types.SimpleNamespace(router='topk', top_k=runs[run])))
+    ax = plot.explain(list(runs))['tokens.png'].axes[0]
+    grey = tuple(plot.plt.get_cmap('coolwarm')(0.5))  # a token that took exactly K
+    boxes = [p.get_facecolor() for p in ax.patches if isinstance(p, Rectangle)]
+    assert len(boxes) == 2 * 3 and set(boxes) == {grey}  # equal layers drawn once
+
+
+def test_explain_says_in_one_line_that_a_dense_run_has_no_experts_to_colour(workdir):
+    result = run('train.py', TINY, '--max_iters=1', '--moe_every=0', '--out_dir=dense',
+                 cwd=workdir)
+    assert result.returncode == 0, result.stderr
+    result = run('experiments/plot.py', '--explain', 'dense', '--out_dir=pictures', cwd=workdir)
+    assert one_error_line(result) == (
+        "error: dense holds a dense GPT (no MoE layer): its tokens take no experts to colour")
+
+
+def test_explain_samples_a_run_whose_vocabulary_cannot_spell_its_prompt(workdir, monkeypatch,
+                                                                        capsys):
+    import plot
+    monkeypatch.chdir(workdir)
+    text, per_layer, config = plot.sample_routing('run', 'ROMEO€', 8)  # no '€' in Shakespeare
+    assert "note: run's vocabulary cannot spell 'ROMEO€'" in capsys.readouterr().out
+    assert len(text) == per_layer.shape[1] == 8 and config.top_k == 2
 
 
 # NumPy 2 warns where matplotlib converts a tensor without a copy keyword; a later NumPy raises
