@@ -127,9 +127,13 @@ def one_of(*choices):
 
 
 def each(rule, convert=str):
-    """A comma-separated list whose every item, after convert(), follows rule."""
-    return Rule(lambda v: all(rule.test(convert(item.strip())) for item in v.split(',')),
-                f'a comma-separated list, each item {rule.allowed}')
+    """A comma-separated list whose every item, after convert(), follows rule; none twice (a
+    sweep would run two trainings into one folder)."""
+    def test(v):
+        items = [item.strip() for item in v.split(',')]
+        return (all(rule.test(convert(item)) for item in items)
+                and len({int(i) if convert is int else i for i in items}) == len(items))
+    return Rule(test, f'a comma-separated list, each item {rule.allowed}, none twice')
 
 
 def schedule(text):

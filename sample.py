@@ -131,11 +131,12 @@ def generate(model, idx, max_new_tokens, temperature=1.0, sample_top_k=None, use
             logits, routing = (decode or model.decode_token)(idx_next, cache)
         if on_token is not None:
             on_token(routing)
-        logits = logits[:, -1, :]
+        logits = logits[:, -1, :].float()
         if temperature <= 0:  # greedy
             idx_next = logits.argmax(dim=-1, keepdim=True)
-        else:
-            logits = logits / temperature
+        else:  # the largest logit taken away first and a temperature float32 holds: no NaN
+            tiny = torch.finfo(torch.float32).tiny  # below it: as it, greedy in effect
+            logits = (logits - logits.amax(-1, keepdim=True)) / max(temperature, tiny)
             if sample_top_k is not None:
                 v, _ = torch.topk(logits, min(sample_top_k, logits.size(-1)))
                 logits = logits.masked_fill(logits < v[:, [-1]], -float('inf'))

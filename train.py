@@ -38,7 +38,7 @@ log_interval = 25
 always_save_checkpoint = False  # else only when val loss improves (and at the end)
 overwrite = False               # a new run may replace the run in out_dir (moved to replaced/)
 init_from = 'scratch'           # 'scratch', 'resume' (out_dir's run, its settings) or a ckpt.pt
-eval_only = False               # evaluate init_from's checkpoint once; writes into no run's folder
+eval_only = False               # evaluate init_from's checkpoint once, on its run's val batches
 # data
 dataset = ckpt.DEFAULT_DATASET  # a folder under data/ made by prepare.py
 batch_size = 16
@@ -103,8 +103,10 @@ try:
     if source is not None:
         checkpoint, model_args = ckpt.load_to_continue(
             source, init_from == 'resume', model_args, overridden, quiet=not master_process)
-    if init_from == 'resume':  # the run goes on with its own settings, but those given here
-        kept = {k: v for k, v in checkpoint.get('config', {}).items() if k in config
+    if init_from == 'resume' or eval_only:  # the run goes on with its own settings (evaluated:
+        # its data and val batches), but those given here
+        keep = config if init_from == 'resume' else ('dataset', 'batch_size', 'eval_iters')
+        kept = {k: v for k, v in checkpoint.get('config', {}).items() if k in keep and k in config
                 and k not in overridden and k not in ('out_dir', 'init_from', 'eval_only')}
         config.update(kept)
         globals().update(kept)

@@ -645,6 +645,21 @@ def test_an_evaluation_never_writes_into_the_run_it_reads(workdir, tmp_path):
     assert not (tmp_path / 'eval' / 'ckpt.pt').exists()
 
 
+def test_an_evaluation_of_a_checkpoint_uses_its_run_s_val_batches_and_repeats_its_number(
+        workdir, tmp_path):
+    # README's "evaluate another way": a run with its own batch size and eval_iters, evaluated
+    # the same way, gives the val CE its log holds, on the same batches
+    out = tmp_path / 'own'
+    trained = run('train.py', TINY, f'--out_dir={out}', '--max_iters=4', '--batch_size=3',
+                  '--eval_iters=3', '--eval_interval=4', cwd=workdir)
+    assert trained.returncode == 0, trained.stderr
+    logged = [r for r in map(json.loads, open(out / 'log.jsonl')) if 'val_ce' in r][-1]['val_ce']
+    result = run('train.py', f'--init_from={out}/ckpt.pt', '--eval_only=True', cwd=workdir)
+    assert result.returncode == 0, result.stderr
+    assert f"val ce {logged:.4f}" in result.stdout, (logged, result.stdout)
+    assert 'global batch 3 sequences' in result.stdout
+
+
 def test_an_overwritten_run_stopped_before_its_first_save_never_resumes_the_old_checkpoint(
         workdir, tmp_path):
     out = tmp_path / 'over'

@@ -133,6 +133,11 @@ def test_a_bad_setting_is_one_line_on_stderr_and_no_traceback(workdir):
     ('experiments/sweep.py', '--top_ks=8,0',
      'a comma-separated list, each item a positive integer'),
     ('experiments/sweep.py', '--seeds=1,a', 'a comma-separated list, each item an integer in'),
+    # twice: two trainings into one folder
+    ('experiments/sweep.py', '--routers=topk,seqtopk,seqtopk', 'a comma-separated list, each '
+     'item one of topk, mrltopk, seqtopk, batchtopk, relu, windowtopk, none twice'),
+    ('experiments/sweep.py', '--seeds=1,01',
+     'a comma-separated list, each item an integer in [0, 2**32), none twice'),
 ])
 def test_bench_and_sweep_settings_are_checked_too(script, arg, allowed, monkeypatch):
     assert exit_message(script, [arg], monkeypatch).startswith(f"error: {arg} must be {allowed}")
