@@ -169,17 +169,21 @@ WAYS = (('window', "as its code evaluates (a window of the batch at once)"),
 
 def routed_ways(roots, router, k, batches, data_dir):
     """{way: {seed: val CE}} of the router's runs at K routed each of the WAYS, {way: experts per
-    token}, and the largest gap between 'window' and each run's logged CE (the same number)."""
+    token}, {seed: val CE} of topk's run of each seed on the same batches (its logged CE is on
+    others), and the largest gap between 'window' and each run's logged CE (the same number)."""
     import fast
     from model import GPT
     from sample import load_model
     ce, spend, gap = {way: {} for way, _ in WAYS}, {way: [] for way, _ in WAYS}, 0.0
+    topk_runs, topk_ce = runs_of(roots, 'topk', k), {}
     for seed, run in sorted(runs_of(roots, router, k).items()):
         model, _ = load_model(run['folder'], 'cpu')
         as_topk = GPT(replace(model.config, router='topk')).eval()
         as_topk.load_state_dict(model.state_dict())
         model, as_topk = fast.paths(model), fast.paths(as_topk)
-        losses = {way: [] for way, _ in WAYS}
+        topk_model = fast.paths(load_model(topk_runs[seed]['folder'], 'cpu')[0]) \
+            if seed in topk_runs else None
+        losses, topk_losses = {way: [] for way, _ in WAYS}, []
         with torch.no_grad():
             for x, y in val_batches(data_dir, model.config.block_size, batches):
                 outputs = dict(window=model(x, y, online=False), topk=as_topk(x, y),
@@ -187,11 +191,15 @@ def routed_ways(roots, router, k, batches, data_dir):
                 for way, (_, loss, aux) in outputs.items():
                     experts = np.mean([m.sum(-1).float().mean().item() for m, _ in aux['routing']])
                     losses[way].append((loss.item(), experts))
+                if topk_model is not None:
+                    topk_losses.append(topk_model(x, y)[1].item())
         for way in ce:
             ce[way][seed] = float(np.mean([loss for loss, _ in losses[way]]))
             spend[way].append(float(np.mean([experts for _, experts in losses[way]])))
+        if topk_losses:
+            topk_ce[seed] = float(np.mean(topk_losses))
         gap = max(gap, abs(ce['window'][seed] - run['val_ce_offline']))
-    return ce, {way: float(np.mean(s)) for way, s in spend.items()}, gap
+    return ce, {way: float(np.mean(s)) for way, s in spend.items()}, topk_ce, gap
 
 
 # -----------------------------------------------------------------------------
@@ -432,15 +440,16 @@ def main(argv=None):
     if args.causal:
         markdown(['K', f"{args.router} routed", 'experts/token', 'val CE', 'Δ vs topk at K'])
         for k in ks:
-            ce, spend, gap = routed_ways(args.roots, args.router, k, args.batches, data_dir)
-            topk = val_ce(args.roots, 'topk', k)
+            ce, spend, topk, gap = routed_ways(args.roots, args.router, k, args.batches,
+                                               data_dir)
             for way, label in WAYS:
                 print(f"| {k} | {label} | {spend[way]:.3f} | {mean_std(ce[way].values())[0]} | "
                       f"{format_difference(paired_difference(ce[way], topk))} |")
             print(f"| {k} | online − window, paired | | | "
                   f"{format_difference(paired_difference(ce['online'], ce['window']))} |")
-            print(f"(K={k}: {len(ce['window'])} seeds, {args.batches} val batches; the window's CE "
-                  f"is each run's logged val CE to {gap:.1e})")
+            print(f"(K={k}: {len(ce['window'])} seeds, {args.batches} val batches, topk's runs "
+                  f"on the same batches; the window's CE is each run's logged val CE to "
+                  f"{gap:.1e})")
     if args.chars:
         for k in ks:
             results = chars(args.roots, k, args.batches, data_dir)

@@ -535,6 +535,13 @@ def test_the_analyses_of_a_finished_sweep_run_and_print_their_tables(workdir, tm
     row = next(line for line in equal.stdout.splitlines() if line.startswith('| 2 |'))
     spend = float(row.split('|')[2])  # windowtopk's measured experts per token in training
     assert spend >= 2 and f"| {math.floor(spend)}, {math.ceil(spend)} |" in row
+    # routed causally: each router's ways against topk's runs on the same val batches, so that
+    # topk against itself is 0 (its logged CE is over other batches)
+    causal = run('experiments/analyze.py', 'parts', '--causal', '--router=topk', '--top_ks=2',
+                 '--batches=2', cwd=workdir)
+    assert causal.returncode == 0, causal.stderr
+    rows = [line.split('|') for line in causal.stdout.splitlines() if line.startswith('| 2 |')]
+    assert len(rows) == 4 and all(r[5].strip() == '+0.0000 [+0.0000, +0.0000]' for r in rows)
     # random scores: a floor only adds
     window = run('experiments/analyze.py', '--window_spend', cwd=workdir)
     assert window.returncode == 0, window.stderr
