@@ -427,7 +427,8 @@ def main(argv=None):
                  [[row['K'], f"{row['spend_train']:.3f}", f"{row['spend_eval']:.3f}",
                    row['val_ce'], format_difference(row['vs_topk']),
                    f"{row['between'][0]}, {row['between'][1]}",
-                   format_difference(row['vs_topk_at_spend']),
+                   format_difference(row['vs_topk_at_spend']) or "n/a: needs topk-k{} and "
+                   "topk-k{} runs of its seeds".format(*row['between']),
                    format_difference(row['vs_seqtopk']) if row['vs_seqtopk'] else 'n/a']
                   for row in equal_compute(args.roots, args.router, ks)])
     if args.window_spend:

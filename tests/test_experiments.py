@@ -580,6 +580,21 @@ def test_an_analysis_without_its_runs_or_data_is_one_line_before_any_table(tmp_p
     assert capsys.readouterr().out == ''  # no table, not even its header
 
 
+def test_equal_compute_says_which_topk_runs_a_blank_difference_needs(tmp_path, monkeypatch,
+                                                                    capsys):
+    import analyze
+    monkeypatch.chdir(tmp_path)
+    for name, done in (('relu-k2-s1', dict(val_ce=1.5, experts_trained=2.5, experts_mean=2.4)),
+                       ('topk-k2-s1', dict(val_ce=1.6))):  # relu spent 2.5: topk at 2 and 3
+        os.makedirs(f'sweep/{name}')
+        (tmp_path / 'sweep' / name / 'log.jsonl').write_text(json.dumps(dict(event='done',
+                                                                             **done)) + '\n')
+    analyze.main(['sweep', '--equal_compute', '--router=relu', '--top_ks=2'])
+    row = capsys.readouterr().out.splitlines()[-1].split('|')
+    assert row[6].strip() == '2, 3' and row[7].strip() == (
+        'n/a: needs topk-k2 and topk-k3 runs of its seeds')
+
+
 def test_a_sweep_run_that_exits_without_finishing_is_reported_failed_in_one_line(workdir):
     import glob
     import signal
