@@ -338,14 +338,13 @@ class WindowTopK(SeqTopK):
     @classmethod
     def check(cls, config):
         Router.check(config)
-        if not config.window_floor <= config.n_exp:
+        if not config.window_floor <= config.top_k:  # above K, the online rule could not keep it
             raise ValueError(f"--window_floor={config.window_floor} must be at most "
-                             f"--n_exp={config.n_exp}")
+                             f"--top_k={config.top_k}")
 
     @staticmethod
     def bounds(cfg):
-        min_k = min(cfg.window_floor, cfg.top_k)
-        return seqtopk_bounds(cfg.top_k, cfg.n_exp, min_k, cfg.n_exp)
+        return seqtopk_bounds(cfg.top_k, cfg.n_exp, cfg.window_floor, cfg.n_exp)
 
     def offline(self, scores):
         return windowtopk_mask(scores, self.config.top_k, self.config.window_floor)

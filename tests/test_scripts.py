@@ -88,7 +88,8 @@ def test_every_numeric_setting_rejects_zero_negative_nan_and_a_wrong_type(
      "--gradient_accumulation_steps=0 must be a positive integer"),
     (['--router=relu', '--relu_l1_step=1'], "--relu_l1_step=1.0 must be greater than 1"),
     (['--router=relu', '--balance=bias'], "--balance=bias needs a router that ranks scores"),
-    (['--router=windowtopk', '--window_floor=9'], "--window_floor=9 must be at most --n_exp=8"),
+    # above K, the online rule took K, the offline one the floor
+    (['--router=windowtopk', '--window_floor=3'], "--window_floor=3 must be at most --top_k=2"),
     (['--seq_budget=strictt'], "--seq_budget=strictt must be one of plain, strict"),
     (['--score_func=softmaxx'], "--score_func=softmaxx must be one of softmax, sigmoid, relu"),
     (['--balance=auxx'], "--balance=auxx must be one of aux, bias, none"),
