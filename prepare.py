@@ -189,6 +189,15 @@ def data_dir(name):
     return os.path.join('data', name)
 
 
+def start_folder(out):
+    """out made, its meta.json (and an older meta.pkl) removed before any new file: until the new
+    one is written, last, no run takes the folder, half old and half new after a kill."""
+    os.makedirs(out, exist_ok=True)
+    for name in ('meta.json', 'meta.pkl'):
+        with suppress(FileNotFoundError):
+            os.remove(os.path.join(out, name))
+
+
 def prepare(args):
     if args.source:
         if args.tokenizer == 'char':
@@ -198,7 +207,7 @@ def prepare(args):
         out = data_dir(args.dataset or name)
         splits = load_splits(args.source, args.text_column, args.val_fraction or 0.0005)
         enc, meta = gpt2_encoding(), dict(tokenizer='gpt2', vocab_size=50257)
-        os.makedirs(out, exist_ok=True)
+        start_folder(out)
         for split, ds in splits.items():
             n = write_split(os.path.join(out, f'{split}.bin'), ds, enc, args.text_column,
                             args.num_proc)
@@ -224,15 +233,13 @@ def prepare(args):
                 else dict(tokenizer='gpt2', vocab_size=50257))
         encode, _ = get_codec(dict(meta, stoi={c: i for i, c in enumerate(chars)}))
         split_at = int(len(text) * (1 - (args.val_fraction or 0.1)))
-        os.makedirs(out, exist_ok=True)
+        start_folder(out)
         n_train = write_bin(os.path.join(out, 'train.bin'), encode(text[:split_at]))
         n_val = write_bin(os.path.join(out, 'val.bin'), encode(text[split_at:]))
         print(f"{len(text):,} characters of text, vocab size {meta['vocab_size']:,}: "
               f"train {n_train:,} tokens, val {n_val:,} tokens")
     with written(os.path.join(out, 'meta.json')) as tmp, open(tmp, 'w', encoding='utf-8') as f:
         json.dump(meta, f, ensure_ascii=False)  # last: a folder with it is whole
-    with suppress(FileNotFoundError):  # an older meta.pkl beside it would describe other data
-        os.remove(os.path.join(out, 'meta.pkl'))
     print(f"wrote {out}/train.bin, val.bin, meta.json")
     return out
 
@@ -260,7 +267,7 @@ def main(argv=None):
         fail(f"--val_fraction={args.val_fraction} must be in (0, 1)")
     try:
         return prepare(args)
-    except OSError as e:  # a full disk, a quota, an I/O error: what was written is removed
+    except OSError as e:  # a full disk, a quota, an I/O error: no meta.json, no run takes it
         where = f"{os.path.dirname(str(e.filename))}/" if e.filename else "the data"
         fail(f"could not write {where} ({e.strerror or e}); free some space, or give another "
              f"--dataset, and run prepare.py again")

@@ -363,6 +363,27 @@ def test_prepare_removes_an_old_meta_pkl_that_would_describe_other_data(tmp_path
     assert sorted(os.listdir('data/notes_char')) == ['meta.json', 'train.bin', 'val.bin']
 
 
+def test_preparing_again_killed_midway_leaves_a_folder_no_run_takes(tmp_path, monkeypatch):
+    # the new train.bin beside the old val.bin and meta.json trained on without a word
+    import prepare
+    from checkpoint import check_data
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / 'old.txt').write_text('abcdefgh\n' * 50)
+    (tmp_path / 'new.txt').write_text('ijklmnop\n' * 50)  # as many ids: all in range
+    prepare.main(['--text=old.txt', '--dataset=mix'])
+    write_bin = prepare.write_bin
+
+    def killed_at_val(path, ids):  # a kill after train.bin is in place
+        if path.endswith('val.bin'):
+            raise KeyboardInterrupt
+        return write_bin(path, ids)
+    monkeypatch.setattr(prepare, 'write_bin', killed_at_val)
+    with pytest.raises(KeyboardInterrupt):
+        prepare.main(['--text=new.txt', '--dataset=mix'])
+    with pytest.raises(ValueError, match=r'meta.json is missing; rebuild it with'):
+        check_data(os.path.join('data', 'mix'), 8)
+
+
 def test_the_gpt2_tokenizer_with_neither_its_files_nor_the_network_is_one_line(
         tmp_path, monkeypatch):
     import socket
