@@ -37,9 +37,9 @@ class GPTConfig:
     seq_causal: bool = False   # seqtopk: train by the online rule, as decoding routes
     seq_budget: str = 'plain'  # online seqtopk: 'plain' (the paper), 'strict' (m tokens <= m*K)
     window_floor: int = 1      # windowtopk: each token's own top experts, added
-    score_func: str = 'softmax'  # 'softmax', 'sigmoid' or 'relu' (ReMoE's gates)
-    route_scale: float = 0.0   # gates = route_scale x selected scores (0: each ~1 at init)
-    norm_topk_prob: bool = False  # renormalise a token's selected scores to sum to 1
+    score_func: str = 'softmax'  # 'softmax', 'sigmoid' or 'relu' (router relu: unused)
+    route_scale: float = 0.0   # gates = route_scale x selected scores (0: ~1 at init; not relu)
+    norm_topk_prob: bool = False  # renormalise a token's selected scores to sum to 1 (not relu)
     balance: str = 'aux'       # 'aux' (Switch loss), 'bias' (loss-free bias), 'none'
     balance_rate: float = 1e-3  # balance='bias': the bias's step per optimizer step
     aux_loss_weight: float = 0.01  # Switch load-balance loss (balance='aux')
