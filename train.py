@@ -123,6 +123,9 @@ if init_from == 'resume':
              f"that run replaced it and stopped before its first save; start again with "
              f"--overwrite=True, or give another --out_dir")
     iter_num = run.saved_iter = checkpoint['iter_num']
+    if iter_num >= max_iters and not eval_only:  # it would save and log its end again
+        fail(f"{source} is at step {iter_num} already, the run's end (--max_iters={max_iters}); "
+             f"give a larger --max_iters to train on, or --eval_only=True to evaluate it")
     run_id, from_run = checkpoint.get('run_id', run_id), checkpoint.get('from_run')
     # the best val loss is the checkpoint's only under the routing it was measured with
     same_routing = all(checkpoint['model_args'].get(k) == v for k, v in model_args.items())

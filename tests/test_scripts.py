@@ -588,6 +588,15 @@ def test_a_resume_that_names_only_the_run_goes_on_with_the_run_s_own_settings(wo
     a, b = (logged(workdir / d, 'train') for d in ('own-straight', 'own-split'))
     assert [(r['iter'], r['ce'], r['lr']) for r in a] == [(r['iter'], r['ce'], r['lr']) for r in b]
     assert logged(workdir / 'own-split', 'done')[-1]['config']['batch_size'] == 4
+    # at its end already: one line, and neither the checkpoint nor the log written again
+    before = {name: (workdir / 'own-split' / name).read_bytes() for name in ('ckpt.pt',
+                                                                          'log.jsonl')}
+    again = run('train.py', '--out_dir=own-split', '--init_from=resume', '--max_iters=20',
+                cwd=workdir)
+    assert one_error_line(again) == (
+        "error: own-split/ckpt.pt is at step 20 already, the run's end (--max_iters=20); give a "
+        "larger --max_iters to train on, or --eval_only=True to evaluate it")
+    assert {name: (workdir / 'own-split' / name).read_bytes() for name in before} == before
 
 
 def test_files_written_whole_are_readable_as_the_umask_says_not_owner_only(tmp_path):
