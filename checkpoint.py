@@ -296,8 +296,8 @@ def load_to_continue(source, resume, model_args, overridden, quiet=False):
     for k, value in saved.items():
         if k in overridden and k not in ROUTING_KEYS and model_args.get(k) != value:
             raise ValueError(f"{source} was trained with {k}={value!r}, this run asks for "
-                             f"{k}={model_args[k]!r}; drop --{k}, or train from scratch in another "
-                             f"--out_dir")
+                             f"{k}={model_args[k]!r}; drop --{k} (on the command line or in a "
+                             f"preset), or train from scratch in another --out_dir")
     return checkpoint, {**model_args, **{k: v for k, v in saved.items() if k not in overridden}}
 
 

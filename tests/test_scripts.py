@@ -644,6 +644,13 @@ def test_resume_with_another_architecture_is_a_clear_error(workdir):
                  '--n_exp=8', f'--out_dir={out}', cwd=workdir)
     assert result.returncode != 0 and 'Traceback' not in result.stderr
     assert 'trained with n_exp=4' in result.stderr
+    # a preset's setting is named as one: the command line may not hold it
+    default = run('train.py', '--max_iters=1', '--eval_iters=1', f'--out_dir={out}-default',
+                  cwd=workdir)
+    assert default.returncode == 0, default.stderr
+    tuned = run('train.py', os.path.join(REPO, 'config', 'tiny.py'),
+                f'--init_from={out}-default/ckpt.pt', f'--out_dir={out}-tuned', cwd=workdir)
+    assert "drop --block_size (on the command line or in a preset)" in one_error_line(tuned)
     again = run('train.py', os.path.join(REPO, 'config', 'tiny.py'), f'--out_dir={out}',
                 cwd=workdir)
     assert again.returncode != 0 and 'already holds a run' in again.stderr  # no silent overwrite
