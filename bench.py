@@ -326,11 +326,11 @@ def bench_decode(results):
           f"{compiled})", "router | decoding step | KV + Expert Cache tok/s | full recompute tok/s "
           "(eager) | speed-up")
     recompute = {(router, way_names[0]) for router in models}  # the model's own forward: eager
-    runs = []
-    for i in range(min(repeats, 3)):  # a minute a round on CPU
+    runs, rounds = [], min(repeats, 3)  # a minute a round on CPU
+    for i in range(rounds):
         t0 = time.perf_counter()
         runs.append(decode_in_turns(ways, prompt, new_tokens, recompute=recompute))
-        progress(f"round {i + 1} of {min(repeats, 3)}: {time.perf_counter() - t0:.1f} s")
+        progress(f"round {i + 1} of {rounds}: {time.perf_counter() - t0:.1f} s")
     for router, way in ways:
         cached = sum(sum(c[(router, way)]) for c, *_ in runs) / len(runs)
         recomputed = sum(sum(r[(router, way_names[0])]) for _, r, *_ in runs) / len(runs)
