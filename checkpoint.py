@@ -30,6 +30,7 @@ from configurator import fail
 from model import ARCHITECTURE, GPTConfig
 
 MODEL_KEYS = [f.name for f in fields(GPTConfig)]  # the settings a checkpoint's model_args hold
+MODEL_TYPES = {f.name: f.type for f in fields(GPTConfig)}
 ROUTING_KEYS = set(MODEL_KEYS) - set(ARCHITECTURE)  # those that may change on resume or fine-tune
 BUILTIN = {'shakespeare_char': [], 'shakespeare': ['--tokenizer=gpt2']}  # prepare.py's arguments
 DEFAULT_DATASET = 'shakespeare_char'
@@ -51,6 +52,10 @@ def code_version():
 
 def new_run_id():  # what names one run in its log, its checkpoint and a sweep's table
     return uuid.uuid4().hex[:12]
+
+
+def of_its_type(key, value):  # a model setting as GPTConfig types it (a float one: an int too)
+    return type(value) is MODEL_TYPES[key] or MODEL_TYPES[key] is float and type(value) is int
 
 
 def non_finite(state_dict):  # the names of the tensors holding a NaN or an inf
@@ -273,6 +278,9 @@ def load(path, keys=('model', 'model_args', 'meta'), quiet=False):
     if 'model_args' in keys and (not isinstance(args, dict) or set(args) - set(MODEL_KEYS)):
         unknown = sorted(set(args) - set(MODEL_KEYS)) if isinstance(args, dict) else ['(no dict)']
         refuse(f"has model settings this version does not know: {', '.join(unknown)}")
+    if 'model_args' in keys and (wrong := [k for k in args if not of_its_type(k, args[k])]):
+        refuse(f"has a model setting of the wrong type: {wrong[0]}={args[wrong[0]]!r}, not "
+               f"{MODEL_TYPES[wrong[0]].__name__}; give a ckpt.pt written by train.py")
     if 'meta' in keys and not (isinstance(meta, dict) and {'tokenizer', 'vocab_size'} <= set(meta)):
         refuse("has no tokenizer in its meta; give a ckpt.pt written by train.py")
     if 'model' in keys and not isinstance(ckpt['model'], dict):

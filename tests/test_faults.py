@@ -45,6 +45,10 @@ def bad_checkpoints(good_path, folder):
              'nan_weights': (nan_weights, 'holds non-finite weights'),
              'newer': (dict(good, model_args=dict(good['model_args'], expert_shards=2)),
                        'has model settings this version does not know: expert_shards'),
+             'text_k': (dict(good, model_args=dict(good['model_args'], top_k='2')),
+                        "has a model setting of the wrong type: top_k='2', not int"),
+             'float_layers': (dict(good, model_args=dict(good['model_args'], n_layer=2.0)),
+                              'has a model setting of the wrong type: n_layer=2.0, not int'),
              'no_tokenizer': (dict(good, meta={'vocab_size': 76}), 'has no tokenizer in its meta'),
              'tensor': (torch.ones(3), 'holds a Tensor, not a checkpoint')}
     paths = {}
