@@ -251,9 +251,10 @@ def test_under_bf16_autocast_the_experts_run_in_bf16_and_match_fp32(way):
             y, _, (mask, scores) = moe(x)
         assert y.dtype == dtype and scores.dtype == torch.float32  # the router stays fp32
         y.float().square().sum().backward()
-        outputs.append((y.float(), mask, moe.w_fc.grad.clone(), moe.w_proj.grad.clone()))
-    (y32, mask32, *grads32), (y16, mask16, *grads16) = outputs
-    assert torch.equal(mask32, mask16)  # same routing: the scores were not rounded to bf16
+        outputs.append((y.float(), mask, scores, moe.w_fc.grad.clone(), moe.w_proj.grad.clone()))
+    (y32, mask32, scores32, *grads32), (y16, mask16, scores16, *grads16) = outputs
+    # the router's scores to the bit: its logits were not computed (or rounded) in bf16
+    assert torch.equal(scores32, scores16) and torch.equal(mask32, mask16)
     torch.testing.assert_close(y16, y32, rtol=2e-2, atol=2e-2 * y32.abs().max().item())
     for g16, g32 in zip(grads16, grads32):
         torch.testing.assert_close(g16, g32, rtol=5e-2, atol=5e-2 * g32.abs().max().item())
