@@ -32,13 +32,9 @@ from configurator import fail, parse_args  # noqa: E402
 
 def runs_of(roots, router, k):
     """{seed: the done record and folder} of router's training runs at K across sweep folders."""
-    found = {}
-    for root in roots:
-        for folder in glob.glob(os.path.join(root, f'{router}-k{k}-s*')):
-            done = last_done(folder)
-            if done and os.path.isdir(folder):
-                found[int(re.search(r'-s(\d+)$', folder).group(1))] = dict(done, folder=folder)
-    return found
+    folders = (f for root in roots for f in glob.glob(os.path.join(root, f'{router}-k{k}-s*')))
+    return {int(re.search(r'-s(\d+)$', folder).group(1)): dict(done, folder=folder)
+            for folder in folders if (done := last_done(folder))}
 
 
 def val_ce(roots, router, k):
@@ -66,13 +62,10 @@ def equal_compute(roots, router, ks):
     difference from topk at K, from topk at its training spend (interpolated) and from seqtopk."""
     rows = []
     for k in ks:
-        runs = runs_of(roots, router, k)
-        if not runs:
-            continue
+        runs = runs_of(roots, router, k)  # main checked there are some
         spend = float(np.mean([r['experts_trained'] for r in runs.values()]))
-        low, high = math.floor(spend), math.ceil(spend)
-        if spend - low < 0.005:  # within 0.005 of K: topk at K itself, no K+1 runs needed
-            high = low
+        low = math.floor(spend)
+        high = low if spend - low < 0.005 else math.ceil(spend)  # within 0.005 of K: no K+1 runs
         topk = {kk: val_ce(roots, 'topk', kk) for kk in {k, low, high}}
         at_spend = {}
         for seed, run in runs.items():
@@ -80,28 +73,29 @@ def equal_compute(roots, router, ks):
                 w = min(1.0, run['experts_trained'] - low) if high > low else 0.0
                 at_spend[seed] = (1 - w) * topk[low][seed] + w * topk[high][seed]
         ce, seqtopk = {s: r['val_ce'] for s, r in runs.items()}, val_ce(roots, 'seqtopk', k)
-        rows.append(dict(K=k, seeds=len(runs), spend_train=spend,
-                         vs_seqtopk=(paired_difference(ce, seqtopk)
-                                     if len(set(ce) & set(seqtopk)) > 1 else None),
+        rows.append(dict(K=k, seeds=len(runs), spend_train=spend, between=(low, high),
                          spend_eval=float(np.mean([r['experts_mean'] for r in runs.values()])),
-                         val_ce=mean_std(ce.values())[0],
-                         vs_topk=paired_difference(ce, topk[k]),
-                         vs_topk_at_spend=paired_difference(ce, at_spend), between=(low, high)))
+                         val_ce=mean_std(ce.values())[0], vs_topk=paired_difference(ce, topk[k]),
+                         vs_topk_at_spend=paired_difference(ce, at_spend),
+                         vs_seqtopk=(paired_difference(ce, seqtopk)
+                                     if len(set(ce) & set(seqtopk)) > 1 else None)))
     return rows
 
 
 def window_spend(shapes=((8, 2, 8, 1024), (64, 8, 16, 128), (64, 4, 16, 128), (64, 2, 16, 128))):
-    """windowtopk's experts per token / K on random softmax scores, floor 1 (their code) and 2:
-    per (N, K, B, T) and logit spread (std 1 and 3), no training involved."""
+    """The table of windowtopk's experts per token / K on random softmax scores, floor 1 (their
+    code) and 2: per (N, K, B, T) and logit spread (std 1 and 3), no training involved."""
     from router import windowtopk_mask
     rows = []
     for n, k, b, t in shapes:
         for std in (1.0, 3.0):
             g = torch.Generator().manual_seed(0)
             scores = (torch.randn(b, t, n, generator=g) * std).softmax(-1)
-            rows.append((n, k, b, t, std, *(float(windowtopk_mask(scores, k, floor).sum())
-                                            / (b * t * k) for floor in (1, 2))))
-    return rows
+            one, two = (float(windowtopk_mask(scores, k, floor).sum()) / (b * t * k)
+                        for floor in (1, 2))
+            rows.append([n, k, f"{b} × {t // b}", f"{std:g}", f"{one:.3f}", f"{two:.3f}"])
+    markdown(['experts N', 'K', 'windows: B sequences × T/B positions', 'logit std',
+              '×T·K, floor 1', 'floor 2'], rows)
 
 
 # -----------------------------------------------------------------------------
@@ -113,40 +107,37 @@ REMOE = 'relu+relu_l1_per_layer=False+relu_threshold_step=0'  # ReMoE's lambda c
 
 def relu_parts(roots, k):
     """(label, row A, row B) per contrast that takes relu's lead apart at K, a row (folders,
-    router[, K']); relu_spend_k{K} holds topk runs that follow relu's spend (--relu_schedule)."""
+    router, K); relu_spend_k{K} holds topk runs that follow relu's spend (--relu_schedule)."""
     spend = [r for r in roots if os.path.basename(os.path.normpath(r)) == f'relu_spend_k{k}']
     plain = [r for r in roots if r not in spend]
     k_relu = {8: 10, 4: 6, 2: 5}.get(k, k)  # topk at about relu's mean training spend (K')
-    gates = 'topk' + RELU_GATES
+    relu, topk, seqtopk = (plain, 'relu', k), (plain, 'topk', k), (plain, 'seqtopk', k)
+    at_k_relu, follows = (plain, 'topk', k_relu), (spend, 'topk', k)
+    gates, follows_gates = (plain, 'topk' + RELU_GATES, k), (spend, 'topk' + RELU_GATES, k)
     return [
-        ("relu − topk (relu's whole lead)", (plain, 'relu'), (plain, 'topk')),
-        ("relu − topk at K' = 10, 6, 5 (relu's mean spend)", (plain, 'relu'),
-         (plain, 'topk', k_relu)),
-        ("topk following relu's spend − topk (spend over time)", (spend, 'topk'), (plain, 'topk')),
-        ("topk at K' − topk (the same mean spend, evenly)", (plain, 'topk', k_relu),
-         (plain, 'topk')),
-        ("topk following relu's spend − topk at K' (when the spend comes)", (spend, 'topk'),
-         (plain, 'topk', k_relu)),
-        ("topk with ReLU gates − topk (gate form)", (plain, gates), (plain, 'topk')),
-        ("seqtopk with ReLU gates − seqtopk", (plain, 'seqtopk' + RELU_GATES), (plain, 'seqtopk')),
-        ("topk, ReLU gates and relu's spend − topk (both)", (spend, gates), (plain, 'topk')),
-        ("ReLU gates on top of relu's spend (topk)", (spend, gates), (spend, 'topk')),
-        ("relu − topk following relu's spend (what is left)", (plain, 'relu'), (spend, 'topk')),
-        ("relu − topk with ReLU gates and relu's spend (what is left, its gates too)",
-         (plain, 'relu'), (spend, gates)),
-        ("relu as ReMoE (one lambda, no threshold) − relu", (plain, REMOE), (plain, 'relu')),
-        ("seqtopk − topk", (plain, 'seqtopk'), (plain, 'topk')),
+        ("relu − topk (relu's whole lead)", relu, topk),
+        ("relu − topk at K' = 10, 6, 5 (relu's mean spend)", relu, at_k_relu),
+        ("topk following relu's spend − topk (spend over time)", follows, topk),
+        ("topk at K' − topk (the same mean spend, evenly)", at_k_relu, topk),
+        ("topk following relu's spend − topk at K' (when the spend comes)", follows, at_k_relu),
+        ("topk with ReLU gates − topk (gate form)", gates, topk),
+        ("seqtopk with ReLU gates − seqtopk", (plain, 'seqtopk' + RELU_GATES, k), seqtopk),
+        ("topk, ReLU gates and relu's spend − topk (both)", follows_gates, topk),
+        ("ReLU gates on top of relu's spend (topk)", follows_gates, follows),
+        ("relu − topk following relu's spend (what is left)", relu, follows),
+        ("relu − topk with ReLU gates and relu's spend (what is left, its gates too)", relu,
+         follows_gates),
+        ("relu as ReMoE (one lambda, no threshold) − relu", (plain, REMOE, k), relu),
+        ("seqtopk − topk", seqtopk, topk),
     ]
 
 
 def relu_table(roots, ks):
-    table = []
-    for i, (label, _, _) in enumerate(relu_parts(roots, ks[0])):
-        table.append([label])
-        for k in ks:
-            _, *rows = relu_parts(roots, k)[i]
-            a, b = (val_ce(*row) if len(row) > 2 else val_ce(*row, k) for row in rows)
-            table[-1].append(format_difference(paired_difference(a, b)) if a and b else 'n/a')
+    table = [[label] for label, _, _ in relu_parts(roots, ks[0])]
+    for k in ks:
+        for row, (_, a, b) in zip(table, relu_parts(roots, k)):
+            a, b = val_ce(*a), val_ce(*b)
+            row.append(format_difference(paired_difference(a, b)) if a and b else 'n/a')
     markdown(['contrast', *(f"K={k}" for k in ks)], table)
     print("\nrelu's routing at the end (val, per MoE layer): experts per token, tokens given none")
     for k in ks:
@@ -279,28 +270,25 @@ def chars(roots, k, batches, data_dir):
         cls = torch.cat([p[0] for p in parts])
         s, r, shifted = (joined([p[i] for p in parts]) for i in (1, 2, 3))
         experts = s['experts'].float().mean(0)  # (B, T): mean over layers
+        measures = dict(experts=experts, entropy_seq=s['entropy'], entropy_topk=r['entropy'],
+                        spread=s['spread'].mean(0), ce_seq=s['ce'], ce_topk=r['ce'])
         table = []
         for c in range(3):
             at = cls == c
             gain = {d: float((shifted[(d, c)][at] - r['ce'][at]).mean()) for d in deltas}
             table.append(dict(cls=CLASSES[c], share=float(at.float().mean()),
-                              experts=float(experts[at].mean()),
-                              entropy_seq=float(s['entropy'][at].mean()),
-                              entropy_topk=float(r['entropy'][at].mean()),
-                              spread=float(s['spread'].mean(0)[at].mean()),
-                              ce_seq=float(s['ce'][at].mean()), ce_topk=float(r['ce'][at].mean()),
+                              **{key: float(value[at].mean()) for key, value in measures.items()},
                               d_ce_more=gain[1], d_ce_fewer=gain.get(-1)))
-        layers = range(s['experts'].shape[0])
-        per_layer_spread = [correlation(s['spread'][i], s['experts'][i].float()) for i in layers]
+        per_layer_spread = [correlation(sp, e.float()) for sp, e in zip(s['spread'], s['experts'])]
+        spread_entropy = [correlation(sp, s['entropy']) for sp in s['spread']]  # per layer
         results.append(dict(
             seed=seed, table=table,
             slope_own=slope(s['entropy'], experts), slope_topk=slope(r['entropy'], experts),
             corr_own=correlation(s['entropy'], experts),
             corr_topk=correlation(r['entropy'], experts),
             corr_spread=float(np.mean(per_layer_spread)), corr_spread_layers=per_layer_spread,
-            corr_spread_entropy=float(np.mean([correlation(s['spread'][i], s['entropy'])
-                                               for i in layers])),
-            binned=binned(s['entropy'], r['entropy'], s['spread'].mean(0), experts)))
+            corr_spread_entropy=float(np.mean(spread_entropy)),
+            binned=binned(s['entropy'], r['entropy'], measures['spread'], experts)))
     return results
 
 
@@ -334,6 +322,7 @@ def chars_figure(results, k):
             b = result['binned'][name]
             ax.plot(b['x'], b['experts'], color='C0' if name != 'topk' else 'C1', alpha=0.6,
                     label=label if j == 0 else None, marker='o' if name == 'topk' else '.')
+        ax.set_ylabel('seqtopk experts per token')
     axes[1].set_xlabel('predictive entropy / log V (deciles of tokens)')
     axes[1].set_title("Fig. 5a: by the model's own entropy and topk's")
     axes[2].set_xlabel("the router's score entropy / log N, mean over layers (deciles)")
@@ -341,10 +330,7 @@ def chars_figure(results, k):
     for ax in axes:
         ax.axhline(k, color='k', ls='--', lw=1)
         ax.grid(alpha=0.3)
-    for ax in axes[1:]:
-        ax.set_ylabel('seqtopk experts per token')
-        ax.legend(fontsize=8)
-    axes[0].legend(fontsize=7)
+        ax.legend(fontsize=7 if ax is axes[0] else 8)
     fig.suptitle(f"seqtopk K={k} on characters: where its experts go")
     fig.tight_layout()
     return fig
@@ -355,9 +341,8 @@ def print_chars(results, k, batches):
           f"character predicted, mean over seeds [min, max]")
     def cell(c, key, fmt):  # mean over seeds [min, max]
         values = [r['table'][c][key] for r in results]
-        if values[0] is None:
-            return ''
-        return f"{np.mean(values):{fmt}} [{min(values):{fmt}}, {max(values):{fmt}}]"
+        return ('' if values[0] is None else
+                f"{np.mean(values):{fmt}} [{min(values):{fmt}}, {max(values):{fmt}}]")
     formats = dict(share='.2f', experts='.2f', entropy_seq='.3f', entropy_topk='.3f', spread='.4f',
                    ce_seq='.3f', ce_topk='.3f', d_ce_more='+.4f', d_ce_fewer='+.4f')
     markdown(['class', 'share', 'seqtopk experts/token', 'entropy (seqtopk)', 'entropy (topk)',
@@ -432,25 +417,20 @@ def main(argv=None):
                    format_difference(row['vs_seqtopk']) if row['vs_seqtopk'] else 'n/a']
                   for row in equal_compute(args.roots, args.router, ks)])
     if args.window_spend:
-        markdown(['experts N', 'K', 'windows: B sequences × T/B positions', 'logit std',
-                  '×T·K, floor 1', 'floor 2'],
-                 [[n, k, f"{b} × {t // b}", f"{std:g}", f"{one:.3f}", f"{two:.3f}"]
-                  for n, k, b, t, std, one, two in window_spend()])
+        window_spend()
     if args.relu:
         relu_table(args.roots, ks)
     if args.causal:
         markdown(['K', f"{args.router} routed", 'experts/token', 'val CE', 'Δ vs topk at K'])
         for k in ks:
-            ce, spend, topk, gap = routed_ways(args.roots, args.router, k, args.batches,
-                                               data_dir)
+            ce, spend, topk, gap = routed_ways(args.roots, args.router, k, args.batches, data_dir)
             for way, label in WAYS:
                 print(f"| {k} | {label} | {spend[way]:.3f} | {mean_std(ce[way].values())[0]} | "
                       f"{format_difference(paired_difference(ce[way], topk))} |")
             print(f"| {k} | online − window, paired | | | "
                   f"{format_difference(paired_difference(ce['online'], ce['window']))} |")
-            print(f"(K={k}: {len(ce['window'])} seeds, {args.batches} val batches, topk's runs "
-                  f"on the same batches; the window's CE is each run's logged val CE to "
-                  f"{gap:.1e})")
+            print(f"(K={k}: {len(ce['window'])} seeds, {args.batches} val batches, topk's runs on "
+                  f"the same batches; the window's CE is each run's logged val CE to {gap:.1e})")
     if args.chars:
         for k in ks:
             results = chars(args.roots, k, args.batches, data_dir)

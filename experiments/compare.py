@@ -16,8 +16,7 @@ from checkpoint import read_log  # noqa: E402
 
 
 def read_run(out_dir):
-    """A run's log.jsonl by event: {'start': [...], 'eval': [...], 'done': [...], ...} (an empty
-    list for an event it lacks); None without a log."""
+    """A run's log.jsonl by event, {'eval': [...], ...} ([] for one it lacks); None without one."""
     path = os.path.join(out_dir, 'log.jsonl')
     if not os.path.exists(path):
         return None
@@ -28,8 +27,7 @@ def read_run(out_dir):
 
 
 def last_done(folder, evaluation=False):
-    """The final record of a finished training run (evaluation=True: of an evaluation, a
-    training-free row's), or None."""
+    """The final record of a finished training run (evaluation=True: of an evaluation), or None."""
     log = read_run(folder)
     done = [r for r in log['done'] if bool(r.get('eval_only')) == evaluation] if log else []
     return done[-1] if done else None
@@ -56,11 +54,9 @@ def paired_difference(a, b, level=0.95):
     """a, b: {seed: value}. The mean of a[seed] - b[seed] over the seeds both have, with its
     t-interval (mean +- t * sd / sqrt(n)); low and high are None with a single seed."""
     diffs = [a[s] - b[s] for s in sorted(a) if s in b and a[s] is not None and b[s] is not None]
-    if not diffs:
-        return dict(mean=None, low=None, high=None, n=0)
-    mean, n = float(np.mean(diffs)), len(diffs)
-    if n == 1:
-        return dict(mean=mean, low=None, high=None, n=1)
+    mean, n = (float(np.mean(diffs)) if diffs else None), len(diffs)
+    if n < 2:  # no interval from a single seed
+        return dict(mean=mean, low=None, high=None, n=n)
     half = t_quantile(0.5 + level / 2, n - 1) * float(np.std(diffs, ddof=1)) / math.sqrt(n)
     return dict(mean=mean, low=mean - half, high=mean + half, n=n)
 
