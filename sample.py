@@ -94,9 +94,10 @@ def main():
             print(experts.summary(model.config, ('cached' if use_cache else 'recomputed') +
                                   f', prompt routed {prompt_routing}'))
         steps = max_new_tokens - 1  # the tokens after the first, which the prompt's forward gives
+        how = f"{'compiled' if compile else 'eager'}, {run_dtype}"
         print(f"[{max_new_tokens} tokens; the {steps} after the first in {seconds:.2f} s: "
-              f"{steps / max(seconds, 1e-9):.1f} tokens/s, {'compiled' if compile else 'eager'}, "
-              f"{run_dtype}]")
+              f"{steps / max(seconds, 1e-9):.1f} tokens/s, {how}]" if steps else
+              f"[1 token, from the prompt's forward: no decoding step to time; {how}]")
         print('---------------')
 
 
@@ -272,10 +273,11 @@ class ExpertCounts:
 
     def per_token(self):
         """Each token's experts (mean over layers), the prompt's and the generated's, or []."""
-        counts = self.generated()
-        if counts is None:
+        if self.prompt_layers is None:
             return []
-        return self.prompt_layers.float().mean(0).tolist() + counts.float().mean(1).tolist()
+        counts = self.generated()
+        generated = counts.float().mean(1).tolist() if counts is not None else []
+        return self.prompt_layers.float().mean(0).tolist() + generated
 
     def per_layer(self):
         """(layers, tokens): the prompt's and each generated token's experts in each layer."""

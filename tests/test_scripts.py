@@ -476,6 +476,7 @@ def test_sample_colours_each_token_by_its_experts_and_counts_what_generation_too
         return [(mask, mask.float()) for mask in masks]
     counts = ExpertCounts()
     counts.add(routing([1, 2, 3], [2, 2, 2]))  # the prompt's 3 tokens, 2 layers
+    assert counts.per_token() == [1.5, 2.0, 2.5]  # one token asked for: the prompt's colours
     counts.add(routing([3], [1]))              # generated tokens, one at a time
     counts.add(routing([2], [2]))
     assert counts.per_token() == [1.5, 2.0, 2.5, 2.0, 2.0]
@@ -862,3 +863,10 @@ def test_sample_s_tokens_per_second_count_the_generated_tokens_not_the_prompt(
     line = next(line for line in capsys.readouterr().out.splitlines()
                 if line.startswith('[4 tokens; the 3 after the first in '))
     assert float(line.split(' in ')[1].split(' s:')[0]) < 0.5, line
+    # one token is the prompt's forward alone: no decoding step, no rate of 0 tokens/s
+    monkeypatch.setattr(sys, 'argv', ['sample.py', '--out_dir=run', '--start=ROMEO:',
+                                      '--max_new_tokens=1', '--num_samples=1', '--color=True'])
+    runpy.run_path(os.path.join(REPO, 'sample.py'), run_name='__main__')
+    out = capsys.readouterr().out
+    assert out.startswith('\033[48;5;') and 'tokens/s' not in out, out
+    assert "[1 token, from the prompt's forward: no decoding step to time; eager, " in out, out
