@@ -89,14 +89,15 @@ def configure(config, args, rules, relations=(), dataclass=None):
             except Exception as e:  # whatever the file does wrong: which file, and what
                 fail(f"preset {arg} did not run as Python ({type(e).__name__}: {e}); a preset "
                      f"is lines of name = value")
-            pairs = [(k, v) for k, v in preset.items() if not k.startswith('_')]
+            pairs = [(k, v) for k, v in preset.items()  # its helpers: _names, imports, defs
+                     if not k.startswith('_') and not inspect.ismodule(v) and not callable(v)]
         else:
             fail(f"preset file '{arg}' not found (settings are --key=value)")
         for key, raw in pairs:
             if key not in known:
                 close = difflib.get_close_matches(key, known, n=1)
-                fail(f"unknown setting --{key}" + (f" in {arg}" if not arg.startswith('--') else
-                     f"; did you mean --{close[0]}?" if close else "; --help lists the settings"))
+                fail(f"unknown setting --{key}" + (f" in {arg}" * (not arg.startswith('--'))) +
+                     (f"; did you mean --{close[0]}?" if close else "; --help lists the settings"))
             config[key] = parse(key, raw, config[key])
             overridden.add(key)
     settings = {k: config[k] for k in sorted(known)}

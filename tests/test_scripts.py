@@ -144,17 +144,23 @@ def test_bench_and_sweep_settings_are_checked_too(script, arg, allowed, monkeypa
     assert exit_message(script, [arg], monkeypatch).startswith(f"error: {arg} must be {allowed}")
 
 
-def test_a_whole_number_sets_a_float_setting_and_a_preset_s_private_names_stay_its_own(tmp_path):
+def test_a_whole_number_sets_a_float_setting_and_a_preset_s_own_names_stay_its_own(tmp_path):
     from configurator import configure
     script = tmp_path / 'script.py'  # a script's settings block, as train.py's
     script.write_text("# ---\nlearning_rate = 2e-3\nn_embd = 32\n# ---\n")
     preset = tmp_path / 'preset.py'
-    preset.write_text("_width = 16\nn_embd = 4 * _width\nlearning_rate = 1\n")  # _: a helper
+    preset.write_text("import math\n_width = 16\nn_embd = 4 * _width\n"  # its own helpers
+                      "def half(v):\n    return v / 2\nlearning_rate = round(half(math.e))\n")
     config = dict(__file__=str(script), learning_rate=2e-3, n_embd=32)
     settings, overridden = configure(config, [str(preset)], {})
     assert settings == dict(learning_rate=1.0, n_embd=64) and overridden == {'learning_rate',
                                                                              'n_embd'}
     assert type(settings['learning_rate']) is float and type(config['learning_rate']) is float
+    # a misspelt setting in a preset: the file, and what it may have meant
+    preset.write_text("learning_rat = 1\n")
+    with pytest.raises(SystemExit, match=f"unknown setting --learning_rat in {preset}; did you "
+                                         f"mean --learning_rate"):
+        configure(config, [str(preset)], {})
 
 
 @pytest.mark.parametrize("script", ['train.py', 'sample.py', 'bench.py', 'experiments/sweep.py'])
