@@ -49,6 +49,12 @@ def test_mrltopk_routes_each_token_to_its_layers_drawn_k_in_training_and_k_at_ev
     assert [mask.sum(-1).unique().tolist() for mask, _ in aux['routing']] == [[2], [4], [2]]
     for (mask, scores), k in zip(aux['routing'], (2, 4, 2)):
         assert torch.equal(mask, topk_mask(scores, k))  # the token's best k, as topk
+    # its balance loss normalises by each layer's drawn k, not by top_k (a loss of another scale)
+    balanced = GPT(tiny_config('mrltopk', n_exp=8, top_k=4, n_layer=3, z_loss_weight=0.0))
+    _, _, drawn = balanced(x, moe_ks=[2, 4, 2])
+    assert torch.allclose(drawn['aux_loss'], sum(
+        balanced.config.aux_loss_weight * switch_balance(scores, mask, k)
+        for (mask, scores), k in zip(drawn['routing'], (2, 4, 2))))
     _, _, aux = model(x)  # no draws given (the script draws them: step_ks): top_k
     assert all((mask.sum(-1) == 4).all() for mask, _ in aux['routing'])
     seen = set()
