@@ -265,8 +265,7 @@ def decode_in_turns(ways, prompt, steps, recompute_every=1, block=16, recompute=
             turn = range(first, min(steps, first + block))
             for name, (model, step, cache) in ways.items():
                 for i in turn:
-                    seconds, out = timed(lambda: model(idx[name], cache=cache) if i == 0 else
-                                         step(last[name], cache))
+                    seconds, out = timed(lambda: step(idx[name] if i == 0 else last[name], cache))
                     cached[name].append(seconds)
                     last[name] = out[0][:, -1].argmax(-1, keepdim=True)
                     idx[name] = torch.cat([idx[name], last[name]], dim=1)
@@ -298,12 +297,13 @@ def bench_decode(results):
     models = {router: build(router, shape).eval() for router in ('topk', 'seqtopk')}
     way_names = decode_ways.split(',')
     ways = {(router, way): (model, compiled_decode(model) if way == 'compiled' else
-                            model.decode_token, Cache(model.config))
+                            model.decode_token, (fast.StaticCache if way == 'compiled' else
+                                                 Cache)(model.config))
             for router, model in models.items() for way in way_names}
     if 'compiled' in way_names:  # seqtopk's routing and Expert Cache, topk's expert work
         capped = build('seqtopk', shape).eval()
         ways[('seqtopk', CAPPED)] = (capped, compiled_decode(capped, slots=capped.config.top_k),
-                                     Cache(capped.config))
+                                     fast.StaticCache(capped.config))
     # the first generation compiles the step, timed cold (no inductor caches); its tokens checked
     compile_s = {}
     for name, (model, step, cache) in ways.items():
@@ -357,7 +357,7 @@ def bench_decode(results):
           "topk speed (rounds) | topk recompute ms | seqtopk recompute ms | cache speed-up (topk, "
           "seqtopk) | KV cache | Expert Cache")
     ways = {name: ways[name] for name in ways if name[1] in way_names}
-    cache = ways[('seqtopk', way_names[0])][2]
+    cache = ways[('seqtopk', way_names[-1])][2]  # compiled: both caches in block_size buffers
     for context in (int(c) for c in contexts.split(',')):
         prompt = torch.randint(0, shape['vocab_size'], (1, context), generator=gen).to(device)
         t0 = time.perf_counter()

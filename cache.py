@@ -1,8 +1,10 @@
 """
-What a generation carries from step to step: per layer the KV cache and, in MoE layers, the
-Expert Cache (Eq. 6: the router scores of the tokens so far, for online SeqTopK). Static, as in
-gpt-fast: buffers of block_size tokens written in place at a position counted on the device
-(one graph), kept when a Cache is reused.
+What a generation carries from step to step: per layer the KV cache and, in MoE layers whose
+router has an online rule, the Expert Cache (Eq. 6: the router scores of the tokens so far, for
+online SeqTopK). The KV cache is static, as in gpt-fast: buffers of block_size tokens written in
+place at a position counted on the device, kept when a Cache is reused. The Expert Cache grows by
+one row per token, as Eq. 6 writes it (fast.StaticCache keeps it in a buffer too, for a compiled
+decoding step).
 """
 import torch
 
@@ -12,19 +14,23 @@ class Cache:
     def __init__(self, config):
         self.block_size = config.block_size
         self.pos = None  # (1,), on the device: how many tokens the caches hold
-        self.layers = [LayerCache(self) for _ in range(config.n_layer)]
+        self.layers = [self.new_layer() for _ in range(config.n_layer)]
 
     def positions(self, T, device):
-        """The positions of the next T tokens (T,); GPT.forward advances pos after the layers."""
+        """The positions of the next T tokens (T,)."""
         if self.pos is None:
             self.pos = static(torch.zeros(1, dtype=torch.long, device=device))
         return self.pos + torch.arange(T, device=device)
 
-    def reset(self):  # empty again (the context starting again), keeping the buffers
+    def new_layer(self):  # fast.StaticCache: a layer with a static Expert Cache
+        return LayerCache(self)
+
+    def advance(self, T):  # after the T new tokens went through every layer
+        self.pos.add_(T)
+
+    def reset(self):  # empty again (the context starting again), keeping the KV buffers
         for layer in self.layers:
-            if layer.expert_cache is not None:
-                layer.expert_cache.fill_(float('-inf'))
-                layer.spent.zero_()
+            layer.reset()
         if self.pos is not None:
             self.pos.zero_()
 
@@ -36,12 +42,13 @@ def static(buffer):
 
 
 class LayerCache:
-    """One layer's part, each buffer allocated at its first write (again for another batch)."""
+    """One layer's part, the KV buffers allocated at their first write (again for another
+    batch)."""
 
     def __init__(self, cache):
         self.cache = cache
         self.k = self.v = None     # (B, n_head, block_size, head size)
-        self.expert_cache = None   # (B, block_size, R): each token's scores still competing
+        self.expert_cache = None   # (B, tokens so far, R): each token's scores still competing
         self.spent = None          # (B,): the experts those tokens took
 
     def write_kv(self, k, v, pos):
@@ -54,22 +61,20 @@ class LayerCache:
         self.v.index_copy_(2, pos, v)
         return self.k, self.v
 
-    def n_past(self):  # the tokens the Expert Cache holds before this call's
-        return self.cache.pos
+    def expert_past(self):
+        """The Expert Cache of the tokens so far (B, P, R) and the experts they took (B,), or
+        None, None before the first."""
+        return self.expert_cache, self.spent
 
-    def expert_cache_so_far(self):
-        """Its rows of the tokens so far (B, P, R), the experts they took (B,); or None, None."""
+    def append_experts(self, rows, mask):
+        """Eq. (6): the new tokens' rows (B, T, R) after the earlier ones', and the experts
+        their mask (B, T, N) gives them."""
+        taken = mask.sum(dim=(1, 2))  # (B,)
         if self.expert_cache is None:
-            return None, None
-        return self.expert_cache[:, :int(self.n_past())], self.spent
+            self.expert_cache, self.spent = rows, taken
+        else:
+            self.expert_cache = torch.cat([self.expert_cache, rows], dim=1)
+            self.spent = self.spent + taken
 
-    def write_expert_cache(self, rows, taken):
-        """The new tokens' rows (B, T, R) after the earlier ones' (the slots past them
-        stay -inf, below any score), and the experts they took (B,)."""
-        if self.expert_cache is None or self.expert_cache.shape[0] != rows.shape[0]:
-            B, _, R = rows.shape
-            empty = rows.new_full((B, self.cache.block_size, R), float('-inf'))
-            self.expert_cache, self.spent = static(empty), static(taken.new_zeros(B))
-        pos = self.cache.pos + torch.arange(rows.shape[1], device=rows.device)
-        self.expert_cache.index_copy_(1, pos, rows)
-        self.spent.add_(taken)
+    def reset(self):
+        self.expert_cache = self.spent = None

@@ -1,12 +1,13 @@
 """
-Fast paths: what model.py and router.py define, computed faster, each tested equal to its plain
-definition. The scripts choose them once: paths(model) is the model, sharing its weights, with
-its MoE layers running the sorted dispatch and its SeqTopK routers the online rule by counting.
+Fast paths: what model.py, router.py and cache.py define, computed faster, each tested equal to
+its plain definition. The scripts choose them once: paths(model) is the model, sharing its weights,
+with its MoE layers running the sorted dispatch and its SeqTopK routers the online rule by counting.
 The model never imports this file; eager generation runs the plain definitions.
 
 - moe_sorted: model.moe_loop with the (token, expert) pairs sorted by expert, each expert's tokens
   one block of rows for a grouped matmul (grouped_mm: one kernel, which compile can trace).
 - online_mask: router.online_seqtopk_cached for many tokens at once, by counting.
+- StaticCache: cache.Cache with the Expert Cache in a static buffer, for a compiled decoding step.
 """
 import copy
 import functools
@@ -14,8 +15,9 @@ import functools
 import torch
 from torch.nn import functional as F
 
+from cache import Cache, LayerCache, static
 from model import MoE
-from router import BatchTopK, MRLTopK, SeqTopK, TopK, online_seqtopk_token
+from router import BatchTopK, MRLTopK, SeqTopK, TopK
 
 
 def paths(model, moe_impl='grouped', experts=None):
@@ -30,7 +32,7 @@ def paths(model, moe_impl='grouped', experts=None):
     for moe in (m for m in fast.modules() if isinstance(m, MoE)):
         moe.experts = (experts(moe.router) if experts else
                        functools.partial(sorted_experts, router=moe.router, mm=mm))
-        if isinstance(moe.router, SeqTopK):
+        if moe.router.online:
             moe.router.online_rule = online_mask
     return fast
 
@@ -67,7 +69,11 @@ def exact_pairs(router, n_tokens):
     kind = type(router)
     if kind in (TopK, MRLTopK):
         return n_tokens * router.current_k()
-    if router.training and (kind is BatchTopK or kind is SeqTopK and not router.config.seq_causal):
+    if not router.training:  # evaluation: online rules and thresholds spend what they spend
+        return None
+    # training: BatchTopK spends B*T*k; SeqTopK T*k a sequence, unless it trains by the online
+    # rule (seq_causal); WindowTopK (a subclass) adds each token's floor on top: not exact
+    if kind is BatchTopK or (kind is SeqTopK and not router.config.seq_causal):
         return n_tokens * router.config.top_k
     return None
 
@@ -158,21 +164,24 @@ def cached_at_least(past, candidates):
 def online_seqtopk_counted(scores, k, min_k, max_k, past=None, n_past=None, spent=None,
                            strict=False):
     """router.online_seqtopk_mask for new tokens (B, T, N) after the Expert Cache past (B, P, R)
-    (-inf in slots not yet written) of n_past tokens (default P) that took spent (B,)."""
+    of n_past tokens (default P; rows past them unwritten) that took spent (B,)."""
     B, T, N = scores.shape
     R = max_k - min_k  # a token's candidates: its entries of rank [min_k, max_k)
     P = 0 if past is None else past.shape[1]
-    n_past = P if n_past is None else n_past
+    if n_past is None:
+        n_past = P
+    elif P:  # rows past n_past are not yet written: NaN, never at least as high as anything
+        unwritten = torch.arange(P, device=scores.device)[:, None] >= n_past  # (P, 1)
+        past = past.masked_fill(unwritten, float('nan'))
     dev = scores.device
     ranked, order = scores.topk(max_k, dim=-1)  # (B, T, max_k), as router.py ranks them
     candidates = ranked.narrow(-1, min_k, R)  # (B, T, R)
     # A candidate of token m is taken iff fewer than m*(k - min_k) candidates of tokens 1..m come
     # before it: earlier tokens' scoring >= it (earlier tokens win ties) and its token's better
     # ranks. `before` counts them, the candidate itself included.
-    if T == 1:  # a decoding step: router.py's rule for one token, m = n_past + 1
-        cached = past if P else scores.new_empty(B, 0, R)
-        return online_seqtopk_token(scores[:, 0], cached, k, min_k, max_k,
-                                    spent if strict else None, m=n_past + 1)[:, None]
+    if T == 1:  # a decoding step
+        return online_token_counted(scores[:, 0], past, n_past, k, min_k, max_k,
+                                    spent if strict else None)[:, None]
     # Sort the new candidates once (stable over the token-major flattening: ties go by token, then
     # rank); those before a candidate of token m are the ones placed at or ahead of it that belong
     # to tokens <= m. Counted in blocks of S tokens, ~T*T*R/S + T*S*R*R work: earlier blocks' by a
@@ -210,7 +219,60 @@ def online_seqtopk_counted(scores, k, min_k, max_k, past=None, n_past=None, spen
     return torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, order, rank < counts[..., None])
 
 
+def online_token_counted(scores, past, n_past, k, min_k, max_k, spent=None):
+    """router.online_seqtopk_token by counting, for token m = n_past + 1 (scores (B, N)) after the
+    Expert Cache past (B, P, R) of n_past tokens (past None: none; no row past them): its
+    candidate of rank r wins when fewer than m*(k - min_k) candidates come before it, the cached
+    ones scoring at least as high (earlier tokens win ties) and its own r better ranks."""
+    B, N = scores.shape
+    R, m = max_k - min_k, n_past + 1
+    ranked, order = scores.topk(max_k, dim=-1)  # (B, max_k), as router.py ranks them
+    rank = torch.arange(max_k, device=scores.device)
+    ahead = rank[:R].expand(B, R)  # (B, R): its better ranks
+    if past is not None:  # (B, R): the cached ones at least as high
+        ahead = ahead + (past.reshape(B, -1, 1) >= ranked[:, None, min_k:]).sum(1)
+    count = min_k + (ahead < m * (k - min_k)).sum(-1)  # (B,): its wins are a run of its ranks
+    if spent is not None:
+        count = torch.minimum(count, m * k - spent)
+    return torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, order, rank < count[:, None])
+
+
+class StaticCache(Cache):
+    """cache.Cache with each layer's Expert Cache in a static buffer (block_size rows, -inf until
+    written) written in place at the position: a compiled decoding step is one graph."""
+
+    def new_layer(self):
+        return StaticLayerCache(self)
+
+
+class StaticLayerCache(LayerCache):
+
+    def expert_past(self):  # the plain rule's view: the rows so far (a host read of pos)
+        if self.expert_cache is None:
+            return None, None
+        return self.expert_cache[:, :int(self.cache.pos)], self.spent
+
+    def append_experts(self, rows, mask):
+        B, T, R = rows.shape
+        if self.expert_cache is None or self.expert_cache.shape[0] != B:
+            empty = rows.new_full((B, self.cache.block_size, R), float('-inf'))
+            self.expert_cache = static(empty)
+            self.spent = static(torch.zeros(B, dtype=torch.long, device=rows.device))
+        pos = self.cache.pos + torch.arange(T, device=rows.device)  # (T,)
+        self.expert_cache.index_copy_(1, pos, rows)
+        self.spent.add_(mask.sum(dim=(1, 2)))
+
+    def reset(self):  # keeping the buffers
+        if self.expert_cache is not None:
+            self.expert_cache.fill_(float('-inf'))
+            self.spent.zero_()
+
+
 def online_mask(scores, k, min_k, max_k, strict, cache):
-    """router.online_seqtopk_cached by counting, against a LayerCache's static buffer (no sync)."""
-    past = (cache.expert_cache, cache.n_past(), cache.spent) if cache is not None else (None,) * 3
+    """router.online_seqtopk_cached by counting; against a StaticCache's buffer, with no sync."""
+    if isinstance(cache, StaticLayerCache):
+        past = (cache.expert_cache, cache.cache.pos, cache.spent)
+    else:
+        past, spent = cache.expert_past() if cache is not None else (None, None)
+        past = (past, None, spent)
     return online_seqtopk_counted(scores, k, min_k, max_k, *past, strict=strict)

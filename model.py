@@ -169,6 +169,8 @@ class MoE(nn.Module):
     def forward(self, x, cache=None, online=False):
         B, T, C = x.shape
         mask, gates, scores, aux_loss = self.router(x, cache, online)  # (B, T, N) each
+        if cache is not None and self.router.online:  # the router decided; the Expert Cache
+            cache.append_experts(self.router.cache_rows(scores), mask)  # keeps (Eq. 6)
         # the experts run in the autocast dtype (bf16 on GPUs); the router stays in fp32
         if torch.is_autocast_enabled(x.device.type):
             x = x.to(torch.get_autocast_dtype(x.device.type))
@@ -248,11 +250,12 @@ class GPT(nn.Module):
             raise ValueError(f"sequence of length {T} is longer than block_size={block_size}")
         pos = cache.positions(T, idx.device) if cache else torch.arange(T, device=idx.device)
         online = (cache is not None or self.config.seq_causal) if online is None else online
-        if self.training:
+        if self.training:  # this step's k, to the routers that train with one
             routers = self.routers()
             ks = moe_ks or [self.config.top_k] * len(routers)
             for router, k in zip(routers, ks, strict=True):
-                router.k = k
+                if router.per_step_k:
+                    router.k = k
         x = self.transformer.wte(idx)  # (B, T, C)
         x = self.transformer.drop(x if self.config.rope else x + self.transformer.wpe(pos))
         aux_loss, routing = 0.0, []
@@ -261,8 +264,8 @@ class GPT(nn.Module):
             x, layer_aux, layer_routing = block(x, layer_cache, online, pos)
             aux_loss = aux_loss + layer_aux
             routing += [layer_routing] if layer_routing is not None else []
-        if cache is not None:
-            cache.pos.add_(T)
+        if cache is not None:  # the T tokens are in every layer's caches: the next ones
+            cache.advance(T)  # come after them (the position each layer wrote at, plus T)
         x = self.transformer.ln_f(x)
         aux = dict(aux_loss=aux_loss, routing=routing)
         if targets is None:  # inference: the last position's logits, without the padding
@@ -282,7 +285,8 @@ class GPT(nn.Module):
         return torch.optim.AdamW(groups, lr=learning_rate, betas=betas,
                                  fused=device_type == 'cuda')
 
-    def decode_token(self, idx, cache):
-        """The logits after idx (B, 1) and the routing, one token through the caches."""
-        logits, _, aux = self(idx, cache=cache, online=True)
+    def decode_token(self, idx, cache, online=True):
+        """The logits after idx (B, T) and the routing: generation's step through the caches
+        (T = 1), or the prompt's (online=False: routed at once)."""
+        logits, _, aux = self(idx, cache=cache, online=online)
         return logits, aux['routing']

@@ -2,7 +2,6 @@
 The routers of "Route Expert by Sequence, Not by Token" (SeqTopK, arXiv 2511.06494) as the
 paper writes them: scores (B, T, N) (B sequences of T tokens, N experts) to a mask (B, T, N),
 True where a token takes an expert; then the gates and losses; then a small class per router.
-R = max_k - min_k: a token's scores still competing for the budget.
 """
 import torch
 import torch.nn as nn
@@ -16,19 +15,21 @@ def topk_mask(scores, k):
 
 
 def top_entries(values, n):
-    """Each row's n largest entries (..., L), ties to the earlier: every entry above the
-    n-th largest value, then the earliest of those equal to it, as many as still fit."""
+    """Each row's n largest entries (..., L) as a mask. Equal values go to the earlier entry:
+    every entry above the n-th largest value is taken, then the entries equal to it, earliest
+    first, while places are left."""
     if n == 0:
         return torch.zeros_like(values, dtype=torch.bool)
-    nth = values.topk(n, dim=-1, sorted=False).values.amin(dim=-1, keepdim=True)
+    nth = values.topk(n, dim=-1, sorted=False).values.amin(dim=-1, keepdim=True)  # (..., 1)
     above, tied = values > nth, values == nth
-    return above | (tied & (tied.cumsum(dim=-1) <= n - above.sum(dim=-1, keepdim=True)))
+    places_left = n - above.sum(dim=-1, keepdim=True)
+    return above | (tied & (tied.cumsum(dim=-1) <= places_left))
 
 
 def seqtopk_bounds(k, n_exp, min_k=1, max_k=None):
-    """The per-token bounds (min_k, max_k), by default the paper's (1, k + 2): they contain
-    k; a max_k of n_exp or more is no upper bound."""
-    max_k = min(k + 2 if max_k is None else max_k, n_exp)
+    """The per-token bounds (min_k, max_k) checked, by default the paper's (1, k + 2): they
+    contain k; a max_k of 0 or None is k + 2, one of n_exp or more no upper bound."""
+    max_k = min(max_k or k + 2, n_exp)
     if not 1 <= k <= n_exp:
         raise ValueError(f"--top_k={k} must be between 1 and --n_exp={n_exp}")
     if min_k > k:
@@ -39,71 +40,74 @@ def seqtopk_bounds(k, n_exp, min_k=1, max_k=None):
 
 
 def seqtopk_mask(scores, k, min_k=1, max_k=None):
-    """Eq. (5), SeqTopK: the top T*k entries of each sequence's T x N score matrix,
-    every token taking between min_k and max_k experts."""
+    """Eq. (5), SeqTopK: of each sequence's T x N scores the top T*k entries, every token
+    taking between min_k and max_k experts (seqtopk_bounds)."""
     B, T, N = scores.shape
     min_k, max_k = seqtopk_bounds(k, N, min_k, max_k)
-    # A token takes its first min_k and at most its best max_k; the rest of the budget
-    # goes to the best other ranks across the sequence, ties to the earlier token (the
-    # best total: tested)
-    ranked, order = scores.topk(max_k, dim=-1)  # (B, T, max_k)
-    extra = top_entries(ranked[..., min_k:].reshape(B, -1), T * (k - min_k))  # (B, T*R)
-    taken = torch.cat([torch.ones_like(ranked[..., :min_k], dtype=torch.bool),
-                       extra.view(B, T, -1)], dim=-1)  # (B, T, max_k): by rank
+    ranked, order = scores.topk(max_k, dim=-1)  # (B, T, max_k): each token's best, best first
+    # 1. each token takes its best min_k;
+    floor = torch.ones_like(ranked[..., :min_k], dtype=torch.bool)
+    # 2. the other T*(k - min_k) places go to the best of the entries a token may still take,
+    #    its ranks min_k..max_k-1 (R of them); equal scores go to the earlier token, then to
+    #    its better rank (the token-major order of the flattened rows).
+    # The best total under the bounds: a selection takes min_k to max_k of a token's entries,
+    # and swapping one for a higher one of the same token never lowers the total, so the best
+    # takes each token's best min_k, then the highest of the rest within each token's best
+    # max_k; a token's extras are then a run of its ranks (tested against brute force).
+    R = max_k - min_k
+    extra = top_entries(ranked[..., min_k:].reshape(B, T * R), T * (k - min_k))  # (B, T*R)
+    taken = torch.cat([floor, extra.view(B, T, R)], dim=-1)  # (B, T, max_k): by rank
     return torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, order, taken)
 
 
 def expert_cache_rows(scores, min_k, max_k):
     """Eq. (6), the Expert Cache keeps the scores of every token so far; here only those
-    that can still compete: each token's ranks min_k..max_k-1 (..., R)."""
+    that can still compete: each token's ranks min_k..max_k-1 (..., R = max_k - min_k)."""
     return scores.topk(max_k, dim=-1).values[..., min_k:]
 
 
-def online_seqtopk_token(scores, cached, k, min_k=1, max_k=None, spent=None, m=None):
-    """Eq. (7), online SeqTopK: token m (scores (B, N)) takes expert i when (m, i) is
-    among the top m*k entries of the scores of tokens 1..m; the Expert Cache `cached`
-    (B, m-1, R) holds the earlier ones', which win ties. spent (B,), given: token m takes
-    at most m*k minus what tokens 1..m-1 took. m: given when `cached` has rows of -inf."""
+def online_seqtopk_token(scores, cached, k, min_k, max_k, spent=None):
+    """Eq. (7), online SeqTopK: token m (scores (B, N)) takes its entries among the top m*k
+    of the scores of tokens 1..m, under the bounds (min_k, max_k), as Eq. (5) over tokens
+    1..m would give its row. cached (B, m-1, R): the Expert Cache of tokens 1..m-1.
+    spent (B,), given (the strict budget): tokens 1..m take at most m*k in all."""
     B, N = scores.shape
-    min_k, max_k = seqtopk_bounds(k, N, min_k, max_k)
-    m, R = cached.shape[1] + 1 if m is None else m, max_k - min_k
-    ranked, order = scores.topk(max_k, dim=-1)  # (B, max_k): its experts, best first
-    # its best min_k it takes; each other candidate competes for the m*(k - min_k)
-    # places left and wins when fewer come before it: the cached scores at least as
-    # high, its better ranks
-    ahead = (cached.reshape(B, 1, -1) >= ranked[:, min_k:, None]).sum(-1)  # (B, R)
-    rank = torch.arange(max_k, device=scores.device)
-    won = (ahead + rank[:R]) < m * (k - min_k)  # (B, R): a prefix of its ranks
-    count = min_k + won.sum(-1)  # (B,)
+    m, R = cached.shape[1] + 1, max_k - min_k
+    ranked, order = scores.topk(max_k, dim=-1)  # (B, max_k): token m's best, best first
+    # as Eq. (5): every token its best min_k; the other m*(k - min_k) places to the best
+    # candidates of tokens 1..m, an earlier token winning ties (the rows in order)
+    candidates = torch.cat([cached, ranked[:, None, min_k:]], dim=1)  # (B, m, R)
+    won = top_entries(candidates.view(B, m * R), m * (k - min_k)).view(B, m, R)[:, -1]
+    taken = torch.cat([won.new_ones(B, min_k), won], dim=-1)  # (B, max_k): by rank
     if spent is not None:
-        count = torch.minimum(count, m * k - spent)
-    taken = rank < count[:, None]  # (B, max_k): by rank
+        taken &= torch.arange(max_k, device=scores.device) < (m * k - spent)[:, None]
     return torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, order, taken)
 
 
 def online_seqtopk_mask(scores, k, min_k=1, max_k=None, strict=False, cached=None,
                         spent=None):
-    """Eq. (7) for every token in turn: each routed against the Expert Cache, then added
-    to it. cached (B, P, R), spent (B,): an Expert Cache of P earlier tokens and what
-    they took."""
-    B, _, N = scores.shape
+    """Eq. (7) for each of T tokens (B, T, N) in turn, against the Expert Cache of the
+    tokens before it: cached (B, P, R) of P earlier tokens (default none) that took
+    spent (B,) experts, then the new tokens' own rows. strict: no prefix of m tokens
+    takes more than m*k."""
+    B, T, N = scores.shape
     min_k, max_k = seqtopk_bounds(k, N, min_k, max_k)
-    cached = scores.new_empty(B, 0, max_k - min_k) if cached is None else cached
-    if spent is None:
-        spent = torch.zeros(B, dtype=torch.long, device=scores.device)
+    rows = expert_cache_rows(scores, min_k, max_k)  # (B, T, R)
+    cached = rows[:, :0] if cached is None else cached
+    spent = rows.new_zeros(B, dtype=torch.long) if spent is None else spent
     masks = []
-    for s in scores.unbind(1):  # token by token: (B, N)
-        cap = spent if strict else None
-        masks.append(online_seqtopk_token(s, cached, k, min_k, max_k, cap))
-        cached = torch.cat([cached, expert_cache_rows(s[:, None], min_k, max_k)], dim=1)
+    for t in range(T):  # token t + 1 of the new ones, after the cached tokens and t new ones
+        before = cached if t == 0 else torch.cat([cached, rows[:, :t]], dim=1)
+        masks.append(online_seqtopk_token(scores[:, t], before, k, min_k, max_k,
+                                          spent if strict else None))
         spent = spent + masks[-1].sum(-1)
     return torch.stack(masks, dim=1)  # (B, T, N)
 
 
 def online_seqtopk_cached(scores, k, min_k, max_k, strict, cache):
-    """online_seqtopk_mask for new tokens (B, T, N) against a generation's Expert Cache
-    (a cache.LayerCache, or None: no earlier tokens)."""
-    cached, spent = cache.expert_cache_so_far() if cache is not None else (None, None)
+    """online_seqtopk_mask for new tokens (B, T, N) after a generation's Expert Cache (a
+    cache.LayerCache; None: no earlier tokens)."""
+    cached, spent = cache.expert_past() if cache is not None else (None, None)
     return online_seqtopk_mask(scores, k, min_k, max_k, strict, cached, spent)
 
 
@@ -175,7 +179,7 @@ class Router(nn.Module):
         near_uniform = config.top_k if config.norm_topk_prob else dict(  # relu: ReMoE's
             softmax=config.n_exp, sigmoid=2, relu=1)[config.score_func]
         self.route_scale = config.route_scale or near_uniform
-        self.k = config.top_k  # experts per token in this training step (the script's)
+        self.k = config.top_k  # per_step_k: this training step's k (GPT.forward sets it)
         if config.balance == 'bias':  # a bias on the choice (never the gates); the load
             self.register_buffer('expert_bias', torch.zeros(config.n_exp))
             self.register_buffer('expert_load', torch.zeros(config.n_exp))
@@ -201,20 +205,23 @@ class Router(nn.Module):
 
     def route(self, logits, scores, cache, online):
         cfg = self.config
-        choice = scores + self.expert_bias if cfg.balance == 'bias' else scores
-        # a NaN score (a diverging run) ranks last: every budget is still spent exactly,
-        # and the NaN loss, not a selection of the wrong size, stops the run
-        choice = choice.masked_fill(choice.isnan(), float('-inf'))
-        mask = self.select(choice, cache, online)
+        mask = self.select(self.choice(scores), cache, online)
         if cfg.balance == 'bias' and self.training:
             self.expert_load.add_(mask.sum(dim=(0, 1)))
         return mask, routing_weights(scores, mask, cfg.norm_topk_prob, self.route_scale)
 
-    def select(self, scores, cache, online):  # scores (B, T, N) -> mask (B, T, N)
+    def choice(self, scores):
+        """What the router ranks: the scores, plus the balancing bias (balance='bias'). A NaN
+        score (a diverging run) ranks last: every budget is still spent exactly, and the NaN
+        loss, not a selection of the wrong size, stops the run."""
+        choice = scores + self.expert_bias if self.config.balance == 'bias' else scores
+        return choice.masked_fill(choice.isnan(), float('-inf'))
+
+    def select(self, choice, cache, online):  # choice (B, T, N) -> mask (B, T, N)
         raise NotImplementedError
 
-    def current_k(self):  # experts per token now: this step's k in training, else top_k
-        return self.k if self.training else self.config.top_k
+    def current_k(self):  # experts per token now: top_k, or this training step's k
+        return self.k if self.training and self.per_step_k else self.config.top_k
 
     @staticmethod
     def draw(k, n_layers, generator=None):  # each MoE layer's k for one training step
@@ -251,8 +258,8 @@ class TopK(Router):
     """TopK: each token its own k best experts (Eq. 3)."""
     per_step_k = True
 
-    def select(self, scores, cache, online):
-        return topk_mask(scores, self.current_k())
+    def select(self, choice, cache, online):
+        return topk_mask(choice, self.current_k())
 
 
 class MRLTopK(TopK):
@@ -262,9 +269,13 @@ class MRLTopK(TopK):
 
 class SeqTopK(Router):
     """SeqTopK (Eq. 5) in training; online (causal evaluation, decoding) Eq. 7, token by
-    token against the Expert Cache."""
+    token against the Expert Cache (read here; the MoE layer appends to it)."""
     online = True
-    online_rule = staticmethod(online_seqtopk_cached)  # the scripts': fast.online_mask
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.min_k, self.max_k = self.bounds(config)  # the per-token bounds, resolved once
+        self.online_rule = online_seqtopk_cached  # fast.paths: fast.online_mask, by counting
 
     @classmethod
     def check(cls, config):
@@ -273,20 +284,19 @@ class SeqTopK(Router):
 
     @staticmethod
     def bounds(cfg):
-        return seqtopk_bounds(cfg.top_k, cfg.n_exp, cfg.seq_min_k, cfg.seq_max_k or None)
+        return seqtopk_bounds(cfg.top_k, cfg.n_exp, cfg.seq_min_k, cfg.seq_max_k)
 
-    def offline(self, scores):  # Eq. 5: the whole sequence at once
-        min_k, max_k = self.bounds(self.config)
-        return seqtopk_mask(scores, self.config.top_k, min_k, max_k)
+    def offline(self, choice):  # Eq. 5: the whole sequence at once
+        return seqtopk_mask(choice, self.config.top_k, self.min_k, self.max_k)
 
-    def select(self, scores, cache, online):
-        cfg, (min_k, max_k) = self.config, self.bounds(self.config)
-        mask = self.offline(scores) if not online else self.online_rule(
-            scores, cfg.top_k, min_k, max_k, cfg.seq_budget == 'strict', cache)
-        if cache is not None:
-            rows = expert_cache_rows(scores, min_k, max_k)
-            cache.write_expert_cache(rows, mask.sum(dim=(1, 2)))
-        return mask
+    def select(self, choice, cache, online):
+        if not online:
+            return self.offline(choice)
+        strict = self.config.seq_budget == 'strict'
+        return self.online_rule(choice, self.config.top_k, self.min_k, self.max_k, strict, cache)
+
+    def cache_rows(self, scores):  # what the Expert Cache keeps of new tokens (B, T, R)
+        return expert_cache_rows(self.choice(scores), self.min_k, self.max_k)
 
 
 class BatchTopK(Router):
@@ -301,12 +311,12 @@ class BatchTopK(Router):
         self.register_buffer('smallest_sum', torch.zeros(()))  # since the last step,
         self.register_buffer('smallest_count', torch.zeros(()))  # its micro-batches
 
-    def select(self, scores, cache, online):
+    def select(self, choice, cache, online):
         if not self.training:
-            return scores > self.threshold
-        mask = batchtopk_mask(scores, self.config.top_k)
+            return choice > self.threshold
+        mask = batchtopk_mask(choice, self.config.top_k)
         with torch.no_grad():
-            self.smallest_sum.add_(scores.masked_fill(~mask, float('inf')).min())
+            self.smallest_sum.add_(choice.masked_fill(~mask, float('inf')).min())
             self.smallest_count.add_(1)
         return mask
 
@@ -346,8 +356,8 @@ class WindowTopK(SeqTopK):
     def bounds(cfg):
         return seqtopk_bounds(cfg.top_k, cfg.n_exp, cfg.window_floor, cfg.n_exp)
 
-    def offline(self, scores):
-        return windowtopk_mask(scores, self.config.top_k, self.config.window_floor)
+    def offline(self, choice):
+        return windowtopk_mask(choice, self.config.top_k, self.config.window_floor)
 
 
 class ReLU(Router):

@@ -62,7 +62,7 @@ def main():
     encode, decode = get_codec(meta)
     x = torch.tensor(prompt_ids(encode, model.config.block_size), device=dev)[None, ...]  # (1, T)
     decoder = compiled_decode(model) if compile else None  # None: eager, the plain definitions
-    cache = Cache(model.config)  # one for every generation: a compiled step's buffers stay put
+    cache = (fast.StaticCache if compile else Cache)(model.config)  # reused: buffers stay put
     if compile:  # compiled (on CUDA, its graph recorded) by a short greedy generation, timed apart
         t0 = time.time()
         with ctx:
@@ -110,13 +110,16 @@ def generate(model, idx, max_new_tokens, temperature=1.0, sample_top_k=None, use
     context each step: the same tokens and routing. A full context starts again at its last half
     (block_size // 2 tokens, at least 1), routed anew. prompt_routing: 'online' (token by token) or
     'joint' (one sequence, as the paper's code); on_token(routing) sees each step's routing;
-    decode: a compiled step; cache: one to reuse (a compiled step's CUDA graph is recorded once)."""
+    decode: compiled_decode's (default: the model's own decode_token); cache: one to reuse (a
+    compiled step's CUDA graph is recorded once)."""
     block_size = model.config.block_size
     if prompt_routing not in ('online', 'joint'):
         raise ValueError(f"prompt_routing must be 'online' or 'joint', not {prompt_routing}")
     if not use_cache and (prompt_routing == 'joint' or decode is not None):
         raise ValueError("prompt_routing='joint' and a decoding step need use_cache=True")
-    cache = Cache(model.config) if cache is None else cache
+    if cache is None:
+        cache = (Cache if decode is None else fast.StaticCache)(model.config)
+    step = decode or model.decode_token  # (idx, cache, online) -> logits, routing
     start, idx_next = max(0, idx.shape[1] - block_size), None  # the context's start
     for i in range(max_new_tokens):
         full = idx.shape[1] - start > block_size
@@ -125,11 +128,10 @@ def generate(model, idx, max_new_tokens, temperature=1.0, sample_top_k=None, use
         if not use_cache or i == 0 or full:  # recomputing, the prompt, or the context started again
             if use_cache:
                 cache.reset()
-            logits, _, aux = model(idx[:, start:], cache=cache if use_cache else None,
-                                   online=prompt_routing == 'online' or i > 0)
-            routing = aux['routing']
+            logits, routing = step(idx[:, start:], cache if use_cache else None,
+                                   prompt_routing == 'online' or i > 0)
         else:  # the token sampled last (its own tensor: a slice has other strides)
-            logits, routing = (decode or model.decode_token)(idx_next, cache)
+            logits, routing = step(idx_next, cache)
         if on_token is not None:
             on_token(routing)
         logits = logits[:, -1, :].float()
@@ -173,7 +175,7 @@ def decode_slots(router):
     kind = type(router)
     if kind in (TopK, MRLTopK):
         return router.config.top_k
-    return router.bounds(router.config)[1] if kind is SeqTopK else None
+    return router.max_k if kind is SeqTopK else None
 
 
 def decode_experts(x, mask, gates, w_fc, w_proj, router, slots=None):
@@ -194,16 +196,22 @@ CPU_DECODE_OPTIONS = {
 
 
 def compiled_decode(model, slots=None):
-    """model.decode_token with the fast paths (experts in `slots` slots), compiled once (fullgraph;
-    CUDA: a CUDA graph), as a decode(idx, cache) for generate; the model is left as it was."""
+    """model.decode_token by the fast paths, as a decode(idx, cache, online=True) for generate: the
+    prompt eagerly, each later token by a step (experts in `slots` slots) compiled once (fullgraph;
+    CUDA: a CUDA graph). cache: a fast.StaticCache. The model is left as it was."""
     cuda = next(model.parameters()).is_cuda
+    prompt = fast.paths(model)
     step = fast.paths(model, experts=lambda router: functools.partial(
         decode_experts, router=router, slots=slots))
     compiled = torch.compile(step.decode_token, fullgraph=True,
                              mode='reduce-overhead' if cuda else None,
                              options=None if cuda else CPU_DECODE_OPTIONS)
 
-    def decode(idx, cache):
+    def decode(idx, cache, online=True):
+        if not isinstance(cache, fast.StaticCache):  # else the step would compile every token
+            raise ValueError("a compiled decoding step decodes with a fast.StaticCache")
+        if idx.shape[1] > 1 or not online:
+            return prompt.decode_token(idx, cache, online)
         if idx.is_cuda:
             torch.compiler.cudagraph_mark_step_begin()  # the last step's outputs are read: replay
         return compiled(idx, cache)

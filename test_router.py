@@ -91,27 +91,77 @@ def test_seqtopk_bounds_bind_each_token():
     assert mask[0, 0].sum() == 4 and (mask[0].sum(-1) >= 1).all() and mask.sum() == 12
 
 
-def brute_force_best_total(scores, k, min_k, max_k):
-    """Highest total score over all selections of T*k entries with per-token counts in bounds."""
+def brute_force(scores, k, min_k, max_k):
+    """Over every selection of T*k of the T x N scores with each token's count within the bounds:
+    the highest total, and of the selections that reach it the per-token counts that give the
+    earlier tokens the most (the tie rule: an earlier token wins)."""
     T, N = scores.shape
-    best = -1.0
+    best, counts_best = -1.0, None
     for chosen in itertools.combinations(range(T * N), T * k):
         counts = np.bincount(np.array(chosen) // N, minlength=T)
         if counts.min() >= min_k and counts.max() <= max_k:
-            best = max(best, float(scores.flatten()[list(chosen)].sum()))
-    return best
+            total = float(scores.flatten()[list(chosen)].sum())
+            if total > best + 1e-6 or (total > best - 1e-6 and list(counts) > counts_best):
+                best, counts_best = max(best, total), list(counts)
+    return best, counts_best
+
+
+def takes_its_best(scores, mask):
+    """Each token's selected scores are its highest ones (B, T, N)."""
+    count = mask.sum(-1, keepdim=True)
+    ranked = scores.sort(dim=-1, descending=True).values
+    return torch.allclose((scores * mask).sum(-1), (ranked * (torch.arange(
+        scores.shape[-1]) < count)).sum(-1), atol=1e-6)
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_seqtopk_selection_is_the_highest_total_score_under_the_bounds(seed):
+def test_seqtopk_is_the_highest_total_under_the_bounds_ties_to_the_earlier_token(seed):
     T, N, k = 3, 4, 2
     for ties in (False, True):
         scores = random_scores(1, T, N, seed=seed, ties=ties)
-        for min_k, max_k in [(1, 3), (0, 4), (1, 4), (2, 2)]:
+        for min_k, max_k in [(1, 3), (0, 4), (1, 4), (2, 2), (0, 2)]:
             mask = seqtopk_mask(scores, k, min_k, max_k)
-            got = float(scores[mask].sum())
-            assert got == pytest.approx(brute_force_best_total(scores[0], k, min_k, max_k),
-                                        abs=1e-6)
+            best, counts = brute_force(scores[0], k, min_k, max_k)
+            assert float(scores[mask].sum()) == pytest.approx(best, abs=1e-6)
+            assert mask[0].sum(-1).tolist() == counts and takes_its_best(scores, mask)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_online_seqtopk_token_m_takes_its_count_of_the_best_selection_over_tokens_1_to_m(seed):
+    # Eq. 7 against brute force: token m's experts are its share of the best selection of m*k
+    # entries of tokens 1..m (earlier tokens winning ties), its own best ones
+    N, k = 4, 2
+    for ties in (False, True):
+        scores = random_scores(2, 3, N, seed=10 + seed, ties=ties)
+        for min_k, max_k in [(1, 3), (0, 4), (1, 4), (2, 2)]:
+            for m in (1, 2, 3):
+                cached = expert_cache_rows(scores[:, :m - 1], min_k, max_k)
+                row = online_seqtopk_token(scores[:, m - 1], cached, k, min_k, max_k)
+                for b in range(2):
+                    assert row[b].sum() == brute_force(scores[b, :m], k, min_k, max_k)[1][-1]
+                assert takes_its_best(scores[:, m - 1:m], row[:, None])
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_the_counted_decoding_step_equals_eq_7_against_a_static_buffer_of_the_expert_cache(strict):
+    # fast.online_token_counted reads a buffer of block_size rows written up to n_past (a tensor,
+    # as a compiled step reads it); scores of -inf (NaN ones rank last) are routed as Eq. 7 does
+    g = torch.Generator().manual_seed(0)
+    for ties in (False, True):
+        for k, min_k, max_k in [(2, 1, 4), (2, 0, 8), (3, 2, 5), (2, 2, 2)]:
+            scores = random_scores(3, 12, 8, seed=k + min_k, ties=ties)
+            scores[torch.rand(scores.shape, generator=g) < 0.2] = float('-inf')
+            rows = expert_cache_rows(scores, min_k, max_k)
+            buffer = torch.full((3, 16, max_k - min_k), float('-inf'))
+            spent = torch.zeros(3, dtype=torch.long)
+            for m in range(1, 13):
+                cap = spent if strict else None
+                want = online_seqtopk_token(scores[:, m - 1], rows[:, :m - 1], k, min_k, max_k, cap)
+                got = fast.online_seqtopk_counted(scores[:, m - 1:m], k, min_k, max_k, buffer,
+                                                  torch.tensor([m - 1]), spent, strict)[:, 0]
+                assert torch.equal(got, want)
+                buffer[:, m - 1] = rows[:, m - 1]
+                spent += want.sum(-1)
 
 
 def test_seqtopk_is_deterministic_under_ties():

@@ -39,10 +39,18 @@ def test_the_expert_cache_routes_decoding_exactly_like_the_causal_prefix_rule(ro
                                rtol=1e-4, atol=1e-4)
     if router == 'seqtopk':
         # the Expert Cache holds every token's scores of rank min_k..max_k-1 (here 1..3 of 4
-        # experts), in a buffer of block_size tokens whose unwritten slots can never score as high
-        # as a real one
-        assert cache.layers[0].expert_cache.shape == (2, 32, 3) and cache.pos.item() == 24
-        assert (cache.layers[0].expert_cache[:, 24:] == float('-inf')).all()
+        # experts), a row per token; fast.StaticCache holds them in a buffer of block_size rows,
+        # written in place, and its step (the fast paths, by counting) routes alike
+        assert cache.layers[0].expert_cache.shape == (2, 24, 3) and cache.pos.item() == 24
+        fast_model, static = fast.paths(model), fast.StaticCache(model.config)
+        fast_steps = [fast_model(seq[:, :6], cache=static)]
+        fast_steps += [fast_model(seq[:, m:m + 1], cache=static) for m in range(6, 24)]
+        for layer, (mask_tf, _) in enumerate(tf['routing']):
+            assert torch.equal(torch.cat([aux['routing'][layer][0] for _, _, aux in fast_steps],
+                                         dim=1), mask_tf)
+        buffer = static.layers[0].expert_cache
+        assert buffer.shape == (2, 32, 3) and (buffer[:, 24:] == float('-inf')).all()
+        assert torch.equal(buffer[:, :24], cache.layers[0].expert_cache)
 
 
 def greedy(model, prompt, n, use_cache, decode=None):
@@ -223,7 +231,7 @@ def test_a_decoding_step_compiles_to_one_graph_with_no_break(router):
     torch._dynamo.reset()
     model = trained_tiny(router)
     prompt = torch.randint(0, 16, (2, 5), generator=torch.Generator().manual_seed(1))
-    cache = Cache(model.config)
+    cache = fast.StaticCache(model.config)
     with torch.inference_mode():
         model(prompt, cache=cache)
         step = fast.paths(model,
@@ -238,7 +246,7 @@ def test_a_compiled_decoding_step_compiles_once_for_the_whole_generation(router)
     torch._dynamo.reset()
     model = trained_tiny(router)
     prompt = torch.randint(0, 16, (2, 5), generator=torch.Generator().manual_seed(1))
-    step, cache = compiled_decode(model), Cache(model.config)
+    step, cache = compiled_decode(model), fast.StaticCache(model.config)
     # the graph must not depend on the context
     with torch._dynamo.config.patch(error_on_recompile=True):
         # past block_size: the context starts again; a second generation, the same Cache
@@ -266,10 +274,11 @@ def test_cuda_a_compiled_decoding_step_never_waits_on_the_host(router):
     torch._dynamo.reset()
     model = trained_tiny(router).cuda()
     prompt = torch.randint(0, 16, (2, 5), generator=torch.Generator().manual_seed(1)).cuda()
-    eager_cache, cache, step = Cache(model.config), Cache(model.config), compiled_decode(model)
+    eager_cache, cache = Cache(model.config), fast.StaticCache(model.config)
+    step = compiled_decode(model)
     with torch.inference_mode():
         model(prompt, cache=eager_cache)
-        model(prompt, cache=cache)
+        step(prompt, cache)  # the prompt by the fast paths, eagerly
         tokens = torch.randint(0, 16, (4, 2, 1), generator=torch.Generator().manual_seed(2)).cuda()
         for token in tokens[:3]:  # compile, record the CUDA graph, replay: each a token further
             want = model.decode_token(token, eager_cache)
