@@ -47,20 +47,26 @@ def expert_loop(x, w, offs):
     return torch.cat([x_e @ w_e for x_e, w_e in zip(x.split(rows), w)])
 
 
-def moe_sorted(x, mask, gates, w_fc, w_proj, grouped_mm=expert_loop, n_pairs=None):
+def moe_sorted(x, mask, gates, w_fc, w_proj, grouped_mm=expert_loop, n_pairs=None, k=None):
     """model.moe_loop with the pairs sorted by expert: x (M, C) -> (M, C), the sum in fp32 at least.
-    n_pairs: the pairs the mask selects, when known in advance (else counted: a host sync)."""
+    n_pairs: the pairs the mask selects, when known in advance (else counted: a host sync); k: the
+    experts every token takes, where that is one number (the sum then gathers: no atomics)."""
     M, N = mask.shape
     selected = mask.t().reshape(-1)  # (N * M,): expert 0's tokens first, then expert 1's, ...
     pair = (selected.nonzero() if n_pairs is None  # (P,)
             else torch.nonzero_static(selected, size=n_pairs)).squeeze(1)
     token = pair % M  # (P,)
-    gate = gates.t().reshape(-1).index_select(0, pair)  # (P,)
     offs = mask.sum(0).cumsum(0).to(torch.int32)  # (N,): where each expert's rows end
-    h = F.gelu(grouped_mm(x.index_select(0, token), w_fc.to(x.dtype), offs))  # (P, H)
-    y = grouped_mm(h * gate.unsqueeze(-1), w_proj.to(x.dtype), offs)  # (P, C)
-    total = torch.zeros_like(x, dtype=torch.promote_types(x.dtype, torch.float32))
-    return total.index_add_(0, token, y.to(total.dtype)).to(x.dtype)
+    h = F.gelu(grouped_mm(x[token], w_fc.to(x.dtype), offs))  # (P, H)
+    y = grouped_mm(h, w_proj.to(x.dtype), offs)  # (P, C)
+    # the gate after w_proj, which is linear: (g h) W = g (h W), on C columns, not H
+    dtype = torch.promote_types(x.dtype, torch.float32)
+    y = y.to(dtype) * gates.t().reshape(-1)[pair, None].to(dtype)  # (P, C)
+    if k is None:  # each pair's output added into its token's row
+        return torch.zeros_like(x, dtype=dtype).index_add_(0, token, y).to(x.dtype)
+    # k a token: each pair to a slot of its token's (its place among them), each slot written once
+    slot = token * k + (mask.cumsum(1) - 1).t().reshape(-1)[pair]  # (P,)
+    return y.new_empty(M * k, y.shape[1]).index_copy(0, slot, y).view(M, k, -1).sum(1).to(x.dtype)
 
 
 def exact_pairs(router, n_tokens):
@@ -79,10 +85,13 @@ def exact_pairs(router, n_tokens):
 
 
 def sorted_experts(x, mask, gates, w_fc, w_proj, router, mm=None):
-    """moe_sorted with the pair count where the router's budget is exact: static shapes, no host
-    sync, one compiled graph of the training forward."""
-    return moe_sorted(x, mask, gates, w_fc, w_proj, mm or grouped_mm,
-                      exact_pairs(router, mask.shape[0]))
+    """moe_sorted with the pair count where the router's budget is exact (static shapes, no host
+    sync: one compiled graph of the training forward) and k where every token takes k (topk); on
+    an H100 or H200 in bf16, torch's own grouped matmul."""
+    k = router.current_k() if type(router) in (TopK, MRLTopK) else None
+    if mm is None:
+        mm = native_grouped_mm if native_grouped_ok(x, w_fc) else grouped_mm
+    return moe_sorted(x, mask, gates, w_fc, w_proj, mm, exact_pairs(router, mask.shape[0]), k)
 
 
 def grouped_kernel_runs(device_type, dtype, capability=None):
@@ -92,6 +101,18 @@ def grouped_kernel_runs(device_type, dtype, capability=None):
     if device_type == 'cpu':
         return dtype in (torch.float32, torch.bfloat16, torch.float16)
     return device_type == 'cuda' and dtype == torch.bfloat16 and capability[0] in (9, 10)
+
+
+def native_grouped_ok(x, w):
+    """Whether torch._grouped_mm may run with its own autograd: its kernel on capability 9.x (H100,
+    H200) in bf16. The compiler then sees the op (not seqmoe's custom one); B200's kernel gives an
+    expert without rows a weight gradient (pytorch#172439): there, and elsewhere, grouped_mm."""
+    return (x.is_cuda and grouped_kernel_ok(x, w)
+            and torch.cuda.get_device_capability(x.device)[0] == 9)
+
+
+def native_grouped_mm(x, w, offs):  # torch's op and autograd
+    return torch._grouped_mm(x, w, offs=offs)
 
 
 def grouped_kernel_ok(*mats):

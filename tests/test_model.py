@@ -77,34 +77,60 @@ def test_every_way_to_run_the_experts_passes_gradcheck_in_float64(way):
         assert torch.autograd.gradcheck(lambda x, w, fc, proj: run(x, mask, w, fc, proj), inputs)
 
 
-@pytest.mark.parametrize("way", ['textbook', 'sorted'])
+def test_a_token_taking_k_experts_sums_its_k_outputs_gathered_forward_and_gradient():
+    # topk's fast path: each token's k outputs in slots of their own, summed (no atomic addition);
+    # by a matmul per expert, seqmoe's grouped op and torch's own (an H100's path, here on the CPU)
+    g = torch.Generator().manual_seed(1)
+    M, C, H, N, k = 24, 16, 12, 6, 2
+    mask = topk_mask(torch.rand(1, M, N, generator=g) * (torch.arange(N) < 5), k)[0]  # 5 idle
+    weights = torch.rand(M, N, generator=g) * mask
+    params = [torch.randn(M, C, generator=g), torch.randn(N, C, H, generator=g) * 0.3,
+              torch.randn(N, H, C, generator=g) * 0.3]
+    want = None
+    for mm in (None, fast.expert_loop, fast.grouped_mm, fast.native_grouped_mm):
+        leaves = [p.clone().requires_grad_() for p in params]
+        out = (naive_moe(leaves[0], mask, weights, *leaves[1:]) if mm is None else
+               moe_sorted(leaves[0], mask, weights, *leaves[1:], mm, M * k, k))
+        (out * torch.linspace(-1, 1, C)).sum().backward()
+        got = [out.detach()] + [p.grad for p in leaves]
+        want = want or got
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    assert (want[2][5] == 0).all()  # the idle expert's weights: no gradient
+
+
+@pytest.mark.parametrize("way", ['textbook', 'sorted', 'sorted, k a token'])
 def test_under_bf16_each_token_s_expert_outputs_are_summed_in_fp32(way):
     # every expert's output is bf16; their sum is kept in fp32 and rounded once, not per addition
     g = torch.Generator().manual_seed(5)
     M, C, H, N = 64, 32, 32, 16
     mask = torch.ones(M, N, dtype=torch.bool)  # every token takes every expert: 16 additions
-    gates = torch.rand(M, N, generator=g).bfloat16()
+    gates = torch.ones(M, N).bfloat16()  # 1: the same parts with the gate before or after w_proj
     x = torch.randn(M, C, generator=g).bfloat16()
     w_fc, w_proj = torch.randn(N, C, H, generator=g) * 0.3, torch.randn(N, H, C, generator=g) * 0.3
-    parts = [((torch.nn.functional.gelu(x @ w_fc[i].bfloat16()) * gates[:, i, None])
-              @ w_proj[i].bfloat16()) for i in range(N)]  # (M, C) bf16 each, as the loop runs them
+    parts = [(torch.nn.functional.gelu(x @ w_fc[i].bfloat16()) @ w_proj[i].bfloat16())
+             for i in range(N)]  # (M, C) bf16 each, as the experts run them
     in_fp32 = torch.stack([p.float() for p in parts]).sum(0).bfloat16()
     in_bf16 = functools.reduce(torch.add, parts)
     assert not torch.equal(in_fp32, in_bf16)  # the two sums differ here
+    experts = (functools.partial(moe_sorted, k=N) if way == 'sorted, k a token' else
+               EXPERTS[way.split(',')[0]])
     with Additions() as added:  # on the CPU a bf16 index_add_ rounds once; CUDA's, per addition
-        assert torch.equal(EXPERTS[way](x, mask, gates, w_fc, w_proj), in_fp32)
+        assert torch.equal(experts(x, mask, gates, w_fc, w_proj), in_fp32)
     assert added.into and all(dtype == torch.float32 for dtype in added.into)
 
 
 class Additions(TorchDispatchMode):
-    """The dtypes of the tensors index_add_ adds into, while it is on."""
+    """The dtypes of the tensors the experts' outputs are added into (index_add_, or a sum over
+    each token's slots), while it is on."""
 
     def __init__(self):
         super().__init__()
         self.into = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten.index_add_.default:
+        if func in (torch.ops.aten.index_add_.default, torch.ops.aten.sum.dim_IntList) and \
+                args[0].is_floating_point():
             self.into.append(args[0].dtype)
         return func(*args, **(kwargs or {}))
 
