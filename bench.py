@@ -4,6 +4,7 @@ Benchmarks, measured side by side in one run and printed as Markdown tables.
     python bench.py                  # everything below, on CPU
     python bench.py --what=route     # the routing alone: each router's selection, per call
     python bench.py --what=train     # training step time per router, default and larger model
+    python bench.py --what=train --sizes=gpu --routers=dense,topk,seqtopk --ways=eager,compiled
     python bench.py --what=moe       # the MoE layer alone vs a dense FFN of its active params
     python bench.py --what=decode    # long context: caches vs recompute, eager vs compiled
     python bench.py --device=cuda --dtype=bfloat16 --compile=True --out_dir=results/gpu
@@ -12,7 +13,9 @@ Models are randomly initialised. Each time is the median of `repeats` rounds aft
 variants taking turns in each round; each ratio is the median of the per-round ratios, with their
 middle half. Targets, CPU: seqtopk / topk step <= 1.03; MoE / dense FFN <= 1.5 (64 experts, top-8);
 compiled decoding >= 2x eager (topk), compiled seqtopk >= 0.97x topk; caches >= 10x recompute at
-contexts >= 512. GPU (bf16): MoE / dense <= 1.3, seqtopk / topk step <= 1.02.
+contexts >= 512. GPU (bf16), the gpu size: compiled MoE step <= 1.3x its dense twin, MoE layer wall
+<= 1.5x the dense FFN in at most 40 kernels (forward + backward, compiled), compiled decoding
+seqtopk / topk >= 0.95.
 """
 import json
 import os
@@ -21,10 +24,13 @@ import statistics
 import sys
 import time
 import warnings
+from dataclasses import replace
 
 import torch
 import torch._inductor.config  # bench_decode times the first compile with its caches off
 import torch.nn.functional as F
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
 
 import fast
 from cache import Cache
@@ -39,12 +45,14 @@ what = 'all'              # all | route | train | moe | decode
 device = 'cpu'            # cpu, cuda or cuda:N
 dtype = 'float32'         # float32 | bfloat16 (autocast; the router stays fp32)
 compile = False           # torch.compile the model (train) and the layers (moe)
+ways = ''                 # train and moe: eager, compiled or both ('': --compile's); on a GPU a
+#                           compiled step with static shapes runs as CUDA graphs
 repeats = 5               # each figure is the median of this many timed runs
 seed = 0
 out_dir = ''              # also write the results there, as bench.json
 # train: models named in `sizes`, each router, one batch of 16 sequences
-sizes = 'default,larger'  # default (train.py's model), larger, tiny (config/tiny.py's)
-routers = ','.join(ROUTERS)  # the routers timed in training (topk among them: the ratios' base)
+sizes = 'default,larger'  # default (train.py's model), larger, tiny (config/tiny.py's), gpu
+routers = ','.join(ROUTERS)  # timed in training, topk among them; dense: the dense twin
 train_steps = 10          # optimizer steps per timed run
 # moe: one layer, tokens x n_embd, against a dense FFN of width top_k * exp_dim
 moe_tokens = 4096
@@ -62,10 +70,13 @@ steps_at_context = 64     # decode steps timed at each context
 decode_ways = 'eager,compiled'  # the decoding step eager, compiled (once, then a graph a step)
 # -----------------------------------------------------------------------------
 RULES = dict(what=one_of('all', 'route', 'train', 'moe', 'decode'),
+             ways=Rule(lambda v: v == '' or each(one_of('eager', 'compiled')).test(v),
+                       "'', eager, compiled or eager,compiled"),
              device=Rule(lambda v: v == 'cpu' or v.split(':')[0] == 'cuda', 'cpu, cuda or cuda:N'),
              dtype=one_of('float32', 'bfloat16'), repeats=positive_int, seed=a_seed,
-             sizes=each(one_of('default', 'larger', 'tiny')), train_steps=positive_int,
-             routers=each(one_of(*ROUTERS)), moe_tokens=positive_int, moe_embd=positive_int,
+             sizes=each(one_of('default', 'larger', 'tiny', 'gpu')), train_steps=positive_int,
+             routers=each(one_of(*ROUTERS, 'dense')), moe_tokens=positive_int,
+             moe_embd=positive_int,
              moe_exp_dim=positive_int, moe_n_exp=positive_int, moe_top_k=positive_int,
              moe_repeats=positive_int, decode_block_size=positive_int, new_tokens=positive_int,
              prompt_tokens=positive_int, contexts=each(positive_int, int),
@@ -80,13 +91,17 @@ RELATIONS = [('routers', lambda c: 'topk' in c['routers'].split(','), 'a list wi
               + c['steps_at_context'] <= c['decode_block_size'],
               'contexts of at most --decode_block_size={decode_block_size} minus '
               '--steps_at_context={steps_at_context}')]
-# the models: train.py's default (on the built-in data's 76 characters), larger, config/tiny.py's
+# the models: train.py's default (on the built-in data's 76 characters), larger, config/tiny.py's,
+# and what a GPU user trains (GPT-2's vocabulary; with its MoE table: --moe_tokens=8192
+# --moe_embd=512 --moe_exp_dim=2048 --moe_n_exp=8 --moe_top_k=2)
 SIZES = dict(default=dict(vocab_size=76),
              larger=dict(n_layer=6, n_head=8, n_embd=256, n_exp=16, top_k=4, exp_dim=256,
                          block_size=256, vocab_size=76),
              tiny={k: v for k, v in runpy.run_path(os.path.join(os.path.dirname(
                  os.path.abspath(__file__)), 'config', 'tiny.py')).items()
-                   if k in GPTConfig.__dataclass_fields__} | dict(vocab_size=76))
+                   if k in GPTConfig.__dataclass_fields__} | dict(vocab_size=76),
+             gpu=dict(n_layer=6, n_head=8, n_embd=512, block_size=512, n_exp=8, exp_dim=2048,
+                      top_k=2, vocab_size=50257))
 # dense peak TFLOP/s per GPU and dtype (vendors' datasheets), for MFU; another GPU: no MFU
 PEAK_TFLOPS = {('H100 PCIe', 'bfloat16'): 756, ('H100', 'bfloat16'): 989, ('H200', 'bfloat16'): 989,
                ('A100', 'bfloat16'): 312, ('L4', 'bfloat16'): 121, ('H100', 'float32'): 67,
@@ -110,21 +125,52 @@ def timed(fn):
     return time.perf_counter() - t0, out
 
 
-def compare(fns, base, rounds=None):
-    """{name: (median seconds, median of its time / base's in each round, their middle half)}
-    over `rounds` (default `repeats`) rounds after a warm-up, the fns taking turns in each."""
+def in_turns(fns, rounds=None):
+    """{name: its seconds in each of `rounds` (default `repeats`) rounds} after a warm-up, the fns
+    taking turns in each."""
     times = {name: [] for name in fns}
     for round in range(-1, rounds or repeats):
         for name, fn in fns.items():
             seconds, _ = timed(fn)
             if round >= 0:  # round -1 warms up
                 times[name].append(seconds)
-    result = {}
-    for name, t in times.items():
-        ratios = [a / b for a, b in zip(t, times[base])]
-        low, _, high = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
-        result[name] = statistics.median(t), statistics.median(ratios), f"{low:.2f}-{high:.2f}"
-    return result
+    return times
+
+
+def ratio(times, name, base):
+    """The median of name's time / base's in each round, and their middle half."""
+    ratios = [a / b for a, b in zip(times[name], times[base])]
+    low, _, high = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
+    return statistics.median(ratios), f"{low:.2f}-{high:.2f}"
+
+
+def compare(fns, base, rounds=None):
+    """{name: (median seconds, median of its time / base's in each round, their middle half)}."""
+    times = in_turns(fns, rounds)
+    return {name: (statistics.median(t), *ratio(times, name, base)) for name, t in times.items()}
+
+
+def device_work(run, calls):
+    """The GPU's busy time (s) and the kernels it ran, per call, over one run() of `calls` calls
+    (the profiler's kernel events, whose launches CUDA graphs save); on the CPU, None, None."""
+    if device_type != 'cuda':
+        return None, None
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    return sum(e.time_range.elapsed_us() for e in kernels) / 1e6 / calls, len(kernels) / calls
+
+
+def way_list():
+    return ways.split(',') if ways else ['compiled' if compile else 'eager']
+
+
+def compiled_step(model):
+    """torch.compile(model) as train.py compiles it: CUDA graphs where its step allows them."""
+    graphs = next(model.parameters()).is_cuda and fast.static_step(model)
+    return torch.compile(model, mode='reduce-overhead' if graphs else None)
 
 
 def table(title, header):
@@ -133,8 +179,13 @@ def table(title, header):
 
 
 def build(router, shape):
+    """The model of `shape` with this router; 'dense': its dense twin, every block a dense FFN of
+    the MoE layer's active width (top_k x exp_dim: the same active FLOPs)."""
     torch.manual_seed(seed)
-    return GPT(GPTConfig(router=router, **shape)).to(device)
+    cfg = GPTConfig(**shape)
+    cfg = replace(cfg, router=router) if router != 'dense' else replace(
+        cfg, moe_every=0, mlp_dim=cfg.top_k * cfg.exp_dim)
+    return GPT(cfg).to(device)
 
 
 def bench_route(results):
@@ -163,10 +214,11 @@ def bench_route(results):
 
 
 def bench_train(results, gpu):
-    """Training step time (forward + backward + AdamW) per router, for each model in `sizes`."""
+    """Training step time (forward + backward + AdamW) per router and way, for each model in
+    `sizes`, against topk's and the dense twin's in the same way; on a GPU its busy time."""
     table(f"Training step (forward + backward + AdamW), {train_steps} steps per run",
-          "model | batch | router | ms / step | vs topk (middle half of rounds) | peak memory "
-          "| MFU (active params)")
+          "model | batch | router | way | ms / step | vs topk (middle half of rounds) | vs dense "
+          "twin | peak memory | MFU (active params) | GPU busy ms / step | kernels / step")
     peak = next((tflops * 1e12 for (name, kind), tflops in PEAK_TFLOPS.items()
                  if name in gpu and kind == dtype), None)  # the GPU's, in this dtype
     batch = 16
@@ -178,48 +230,58 @@ def bench_train(results, gpu):
                 for _ in range(2))
         runs, models = {}, {}
         for router in routers.split(','):
-            models[router] = model = fast.paths(build(router, shape).train())
-            step_model = torch.compile(model) if compile else model
-            opt = model.configure_optimizers(0.1, 1e-4, (0.9, 0.99), device_type)
+            for way in way_list():
+                models[router, way] = model = fast.paths(build(router, shape).train())
+                step_model = compiled_step(model) if way == 'compiled' else model
+                opt = model.configure_optimizers(0.1, 1e-4, (0.9, 0.99), device_type)
 
-            def run(step_model=step_model, opt=opt, cfg=model.config, n_moe=len(model.routers())):
-                for _ in range(train_steps):
-                    moe_ks = step_ks(cfg, n_moe)  # drawn outside the model, as train.py does
-                    with autocast():
-                        _, ce, aux = step_model(x, y, moe_ks=moe_ks)
-                    (ce + aux['aux_loss']).backward()
-                    opt.step()
-                    opt.zero_grad(set_to_none=True)
-            runs[router] = run
-        timing = compare(runs, 'topk')
-        for router, model in models.items():
-            seconds, ratio, spread = timing[router]
-            seconds /= train_steps
+                def run(step_model=step_model, opt=opt, cfg=model.config,
+                        n_moe=len(model.routers())):
+                    for _ in range(train_steps):
+                        moe_ks = step_ks(cfg, n_moe)  # drawn outside the model, as train.py does
+                        with autocast():
+                            _, ce, aux = step_model(x, y, moe_ks=moe_ks)
+                        (ce + aux['aux_loss']).backward()
+                        opt.step()
+                        opt.zero_grad(set_to_none=True)
+                runs[router, way] = run
+        times = in_turns(runs)
+        for (router, way), model in models.items():
+            seconds = statistics.median(times[router, way]) / train_steps
+            vs_topk, spread = ratio(times, (router, way), ('topk', way))
+            vs_dense = ratio(times, (router, way), ('dense', way))[0] if (
+                'dense', way) in times else None
             memory, mfu = None, None
             if device_type == 'cuda':  # the peak allocated (torch tracks none on CPU)
                 torch.cuda.reset_peak_memory_stats()
-                runs[router]()
+                runs[router, way]()
                 memory = torch.cuda.max_memory_allocated()
             if peak:  # 6 flops per active parameter per token, plus attention (nanoGPT's estimate)
                 cfg = model.config
                 flops = 6 * model.num_params(active=True) + 12 * cfg.n_layer * cfg.n_embd * T
                 mfu = flops * batch * T / seconds / peak
+            busy, kernels = device_work(runs[router, way], train_steps)
             results['train'].append(dict(
-                model=size, batch=batch, router=router, ms_per_step=seconds * 1e3,
-                ratio_vs_topk=ratio, ratio_middle_half=spread, peak_memory_bytes=memory, mfu=mfu))
+                model=size, batch=batch, router=router, way=way, ms_per_step=seconds * 1e3,
+                ratio_vs_topk=vs_topk, ratio_middle_half=spread, ratio_vs_dense=vs_dense,
+                peak_memory_bytes=memory, mfu=mfu, gpu_busy_ms_per_step=busy and busy * 1e3,
+                kernels_per_step=kernels))
             print(f"| {size} ({model.num_params() / 1e6:.1f}M, "
                   f"{model.num_params(active=True) / 1e6:.1f}M active) | {batch}x{T} | {router} | "
-                  f"{seconds * 1e3:.1f} | {ratio:.3f} ({spread}) | "
+                  f"{way} | {seconds * 1e3:.1f} | {vs_topk:.3f} ({spread}) | "
+                  f"{'n/a' if vs_dense is None else f'{vs_dense:.3f}'} | "
                   f"{'n/a' if memory is None else f'{memory / 2**20:.0f} MiB'} | "
-                  f"{'n/a' if mfu is None else f'{mfu:.1%}'} |")
+                  f"{'n/a' if mfu is None else f'{mfu:.1%}'} | "
+                  f"{'n/a' if busy is None else f'{busy * 1e3:.2f}'} | "
+                  f"{'n/a' if kernels is None else f'{kernels:.0f}'} |")
 
 
 def bench_moe(results):
     """The MoE layer (router + dispatch + experts) against a dense FFN of its active params."""
     C, H, N, k = moe_embd, moe_exp_dim, moe_n_exp, moe_top_k
     table(f"MoE layer vs dense FFN: {moe_tokens} tokens x {C}, {N} experts of width {H}, top-{k} "
-          f"(dense FFN width {k * H}), forward + backward", "layer | ms | vs dense (middle half "
-          "of rounds)")
+          f"(dense FFN width {k * H}), forward + backward", "layer | way | ms | vs dense (middle "
+          "half of rounds) | GPU busy ms | kernels")
     torch.manual_seed(seed)
     x = torch.randn(1, moe_tokens, C, device=device, requires_grad=True)
     dense = torch.nn.Sequential(torch.nn.Linear(C, k * H, bias=False), torch.nn.GELU(),
@@ -236,18 +298,27 @@ def bench_moe(results):
             layers['MoE topk, textbook loop'] = moe
     runs = {}
     for name, layer in layers.items():
-        fn = torch.compile(layer) if compile and 'textbook' not in name else layer
+        for way in way_list():
+            if way == 'compiled' and 'textbook' in name:  # a host read per expert: eager only
+                continue
+            fn = torch.compile(layer) if way == 'compiled' else layer
 
-        def run(fn=fn, dense=layer is dense):
-            with autocast():
-                out = fn(x) if dense else fn(x)[0]
-            out.float().square().mean().backward()
-        runs[name] = run
-    for name, (seconds, ratio, spread) in compare(runs, 'dense FFN', moe_repeats).items():
-        ms = seconds * 1e3
-        results['moe'].append(dict(layer=name, ms=ms, ratio_vs_dense=ratio,
-                                   ratio_middle_half=spread))
-        print(f"| {name} | {ms:.2f} | {ratio:.2f} ({spread}) |")
+            def run(fn=fn, dense=layer is dense):
+                with autocast():
+                    out = fn(x) if dense else fn(x)[0]
+                out.float().square().mean().backward()
+            runs[name, way] = run
+    times = in_turns(runs, moe_repeats)
+    for name, way in runs:
+        ms = statistics.median(times[name, way]) * 1e3
+        vs_dense, spread = ratio(times, (name, way), ('dense FFN', way))
+        busy, kernels = device_work(runs[name, way], 1)
+        results['moe'].append(dict(layer=name, way=way, ms=ms, ratio_vs_dense=vs_dense,
+                                   ratio_middle_half=spread, gpu_busy_ms=busy and busy * 1e3,
+                                   kernels=kernels))
+        print(f"| {name} | {way} | {ms:.2f} | {vs_dense:.2f} ({spread}) | "
+              f"{'n/a' if busy is None else f'{busy * 1e3:.3f}'} | "
+              f"{'n/a' if kernels is None else f'{kernels:.0f}'} |")
 
 
 @torch.inference_mode()

@@ -84,6 +84,13 @@ def exact_pairs(router, n_tokens):
     return None
 
 
+def static_step(model):
+    """Whether the model's training step has static shapes and no host sync, so that it may run as
+    CUDA graphs: each router's pairs known in advance (exact_pairs) for a k fixed over steps (not
+    mrltopk's, drawn each step: a graph per draw); a dense model's too."""
+    return all(exact_pairs(r, 1) is not None and type(r) is not MRLTopK for r in model.routers())
+
+
 def sorted_experts(x, mask, gates, w_fc, w_proj, router, mm=None):
     """moe_sorted with the pair count where the router's budget is exact (static shapes, no host
     sync: one compiled graph of the training forward) and k where every token takes k (topk); on

@@ -813,6 +813,35 @@ def test_bench_reports_medians_after_a_warm_up_ratios_per_round_and_times_per_ca
     assert bench.speed_ratio(rounds, 'a', 'b', skip=1) == (pytest.approx(1.0), '0.67-2.00')
 
 
+def test_bench_times_each_router_eager_and_compiled_against_its_dense_twin(monkeypatch):
+    import bench
+    from model import MoE
+    built = []
+    build = bench.build
+    monkeypatch.setattr(bench, 'build', lambda router, shape: built.append(build(router, shape))
+                        or built[-1])
+    # each round: dense, topk, seqtopk, each eager then compiled (twice as fast); a warm-up first
+    clock = iter([1.0] * 6 + [4.0, 2.0, 8.0, 4.0, 4.0, 2.0] * 2)
+    monkeypatch.setattr(bench, 'timed', lambda fn: (next(clock), None))
+    for name, value in dict(sizes='tiny', routers='dense,topk,seqtopk', ways='eager,compiled',
+                            repeats=2).items():
+        monkeypatch.setattr(bench, name, value)
+    results = dict(train=[])
+    bench.bench_train(results, gpu='')
+    rows = {(r['router'], r['way']): r for r in results['train']}
+    assert list(rows) == [(r, w) for r in ('dense', 'topk', 'seqtopk')
+                          for w in ('eager', 'compiled')]
+    assert [rows['topk', w]['ratio_vs_dense'] for w in ('eager', 'compiled')] == [2.0, 2.0]
+    assert [rows['seqtopk', w]['ratio_vs_topk'] for w in ('eager', 'compiled')] == [0.5, 0.5]
+    assert rows['seqtopk', 'compiled']['ms_per_step'] == 2.0 / bench.train_steps * 1e3
+    # the dense twin: every block a dense FFN as wide as the MoE layer's active experts
+    dense, moe = built[0].config, built[2].config
+    assert not any(isinstance(m, MoE) for m in built[0].modules())
+    assert dense.mlp_dim == moe.top_k * moe.exp_dim and dense.n_layer == moe.n_layer
+    # on a GPU the profiler's kernels and busy time; on the CPU none
+    assert rows['topk', 'eager']['kernels_per_step'] is None
+
+
 def test_no_script_turns_tf32_on_so_the_routers_fp32_logits_stay_fp32(workdir):
     # TF32 would round the routers' fp32 logits on Ampere and later GPUs ("routers run in fp32")
     driver = (f"import runpy, sys, torch; sys.path.insert(0, {REPO!r}); sys.argv = sys.argv[1:]\n"
