@@ -1,19 +1,21 @@
 #!/usr/bin/env bash
-# The GPU tables in one run of about 6 minutes on one H100 or H200, each part under its own
-# timeout and every log in one folder (README, "Speed"; results/README.md, "GPU"). The benchmarks
-# run one at a time, alone; then the parts that time nothing run together:
+# The GPU tables in one run of 7 to 9 minutes on one H100 (555 s at most, the sum of the limits),
+# each part under its own timeout, every log in one folder (README, "Speed"; results/README.md,
+# "GPU"). The benchmarks run one at a time, alone; then the parts that time nothing run together:
 #   bench-train   bench.py, bf16: the training step per router, default model, eager
 #   bench-moe     the MoE layer vs the dense FFN (64 experts, top-8), eager
 #   bench-decode  cached decoding tok/s, eager and compiled (CUDA graphs)
 #   bench-*-compiled  the training step (topk, seqtopk) and the MoE layer again, compiled
 #   tests         the CUDA tests                                      } together,
 #   train         a default train.py run, --compile=True              } after the
-#   sweep         topk and seqtopk at K=2 on GPT-2 BPE Shakespeare,   } benchmarks
-#                 5 seeds each, all runs at once, with paired intervals
-# The limits come from one H200 run (results/README.md, "GPU (NVIDIA H200)"): cold compiles take
-# most of each compiled part. Run it where data/ is (the runs read data/<dataset>). A GPU machine
-# may lack the packages that prepare the data and run the tests: prepare data/ first and carry
-# it; wheels/ (pytest and what it needs: pip download pytest -d wheels) is installed when present.
+#   sweep         experiments/config/sweep_gpu.py: topk and seqtopk   } benchmarks
+#                 at K=2 on GPT-2 BPE Shakespeare, 5 seeds, 800 steps, all 10 runs at once
+# The limits come from the H100 run of 2026-11-27 and, where it did not time a part, the H200's
+# (results/README.md, "GPU (NVIDIA H100), 2026-11-27" and "GPU (NVIDIA H200)"): cold compiles
+# take most of each compiled part. Run it where data/ is (the runs read data/<dataset>). A GPU
+# machine may lack the packages that prepare the data and run the tests: prepare data/ first and
+# carry it; wheels/ (pytest and what it needs: pip download pytest -d wheels) is installed when
+# present.
 #   python prepare.py --tokenizer=gpt2          # data/shakespeare (and train.py makes the other)
 #   bash experiments/gpu.sh OUT_DIR             # on the GPU: OUT_DIR/summary.txt, OUT_DIR/*.log
 #   bash experiments/gpu.sh OUT_DIR --cpu       # the same parts, tiny, on the CPU (tests run it)
@@ -33,21 +35,19 @@ if [ "${2:-}" = --cpu ]; then
          --moe_n_exp=16 --moe_top_k=4 --moe_repeats=1 --decode_block_size=64 --prompt_tokens=8
          --new_tokens=16 --contexts=16 --steps_at_context=8 --decode_ways=eager)
   model=("$root/config/tiny.py" --max_iters=4 --eval_interval=4 --eval_iters=1)
-  sweep_args="$root/config/tiny.py --dataset=shakespeare --eval_interval=4 --eval_iters=1"
+  # the GPU preset's sweep (K=2, 5 seeds, 10 runs at once) on the tiny model, 4 steps a run
+  sweep=(--max_iters=4 "--train_args=$root/config/tiny.py --dataset=shakespeare
+    --eval_interval=4 --eval_iters=1")
   decode=()
-  iters=4
   scale=8  # cold compiles on a laptop's cores, not a GPU's seconds
 else
   device=(--device=cuda --dtype=bfloat16)
   sizes=(--sizes=default)
-  # one round at one long context: the compiles (three, cold: 19, 14 and about 14 s on the H200)
+  # one round at one long context: the compiles (three, cold: 15.5, 11.8 and 13.9 s on the H100)
   # take most of the part's time
   decode=(--new_tokens=64 --contexts=960 --steps_at_context=16 --repeats=1)
   model=(--max_iters=300)
-  sweep_args="--dataset=shakespeare --n_layer=6 --n_head=8 --n_embd=256 --n_exp=64 --exp_dim=32
-    --block_size=256 --batch_size=16 --learning_rate=1e-3 --min_lr=1e-4 --warmup_iters=30
-    --eval_interval=200 --eval_iters=20"
-  iters=200
+  sweep=()  # the preset as it ran on the H100
 fi
 start=$(date +%s)
 
@@ -64,21 +64,22 @@ part() {  # part NAME SECONDS COMMAND...: the command under a timeout, its outpu
 python -c "import sys, torch; print(torch.__version__, sys.version.split()[0],
   torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU')" > "$out/versions.txt"
 bench=(python "$root/bench.py" "${device[@]}")  # --cpu: tiny sizes last, so that they win
-# measured on the H200 (s): bench-train 6 routers < 31, bench-moe 11, bench-decode > 95 (with 3
-# rounds), bench-train-compiled 60 (3 rounds), tests 73 and the sweep 46 (side by side)
+# measured (s): on the H200 bench-train 6 routers < 31, bench-moe 11, bench-train-compiled 60 (3
+# rounds), tests 73; on the H100 bench-decode 99, bench-moe-compiled no row in 60, the sweep 137
+# (133 by its own clock, each run 112-127); after the benchmarks the parts share the GPU
 part bench-train 40 "${bench[@]}" --what=train --out_dir="$out/bench-train" "${sizes[@]}"
 part bench-moe 20 "${bench[@]}" --what=moe --out_dir="$out/bench-moe" "${sizes[@]}"
-part bench-decode 110 "${bench[@]}" --what=decode --out_dir="$out/bench-decode" "${decode[@]}" \
+part bench-decode 125 "${bench[@]}" --what=decode --out_dir="$out/bench-decode" "${decode[@]}" \
   "${sizes[@]}"
 part bench-train-compiled 70 "${bench[@]}" --what=train --compile=True --sizes=default \
   --routers=topk,seqtopk --repeats=3 --out_dir="$out/bench-train-compiled" "${sizes[@]}"
-part bench-moe-compiled 50 "${bench[@]}" --what=moe --compile=True --moe_repeats=5 \
+part bench-moe-compiled 120 "${bench[@]}" --what=moe --compile=True --moe_repeats=5 \
   --out_dir="$out/bench-moe-compiled" "${sizes[@]}"
 part tests 90 python -m pytest -q -rs -k cuda "$root/tests/test_model.py" \
   "$root/tests/test_decoding.py" "$root/tests/test_faults.py" &
 part train 90 python "$root/train.py" "${model[@]}" --compile=True --out_dir="$out/train" \
   --overwrite=True &
-part sweep 90 python "$root/experiments/sweep.py" --routers=topk,seqtopk --top_ks=2 \
-  --seeds=1,2,3,4,5 --jobs=10 --max_iters=$iters --out_dir="$out/sweep" --train_args="$sweep_args"
+part sweep 180 python "$root/experiments/sweep.py" "$root/experiments/config/sweep_gpu.py" \
+  --out_dir="$out/sweep" "${sweep[@]}"
 wait
 echo "total: $(( $(date +%s) - start )) s" | tee -a "$out/summary.txt"
