@@ -62,8 +62,8 @@ class LayerCache:
         return self.k, self.v
 
     def expert_past(self):
-        """The Expert Cache of the tokens so far (B, P, R) and the experts they took (B,), or
-        None, None before the first."""
+        """What the router reads: the Expert Cache of the tokens so far (B, P, R) and the
+        experts they took (B,); None, None before the first."""
         return self.expert_cache, self.spent
 
     def append_experts(self, rows, mask):

@@ -6,7 +6,7 @@ The model never imports this file; eager generation runs the plain definitions.
 
 - moe_sorted: model.moe_loop with the (token, expert) pairs sorted by expert, each expert's tokens
   one block of rows for a grouped matmul (grouped_mm: one kernel, which compile can trace).
-- online_mask: router.online_seqtopk_cached for many tokens at once, by counting.
+- online_seqtopk_counted: router.online_seqtopk_mask for many tokens at once, by counting.
 - StaticCache: cache.Cache with the Expert Cache in a static buffer, for a compiled decoding step.
 """
 import copy
@@ -33,7 +33,7 @@ def paths(model, moe_impl='grouped', experts=None):
         moe.experts = (experts(moe.router) if experts else
                        functools.partial(sorted_experts, router=moe.router, mm=mm))
         if moe.router.online:
-            moe.router.online_rule = online_mask
+            moe.router.online_rule = online_seqtopk_counted
     return fast
 
 
@@ -189,10 +189,10 @@ def cached_at_least(past, candidates):
     return (counts[0] if len(counts) == 1 else torch.cat(counts, dim=1)).view(B, T, R)
 
 
-def online_seqtopk_counted(scores, k, min_k, max_k, past=None, n_past=None, spent=None,
-                           strict=False):
+def online_seqtopk_counted(scores, k, min_k, max_k, strict=False, past=None, spent=None,
+                           n_past=None):
     """router.online_seqtopk_mask for new tokens (B, T, N) after the Expert Cache past (B, P, R)
-    of n_past tokens (default P; rows past them unwritten) that took spent (B,)."""
+    of n_past tokens (default P; a StaticCache's rows past them unwritten) that took spent (B,)."""
     B, T, N = scores.shape
     R = max_k - min_k  # a token's candidates: its entries of rank [min_k, max_k)
     P = 0 if past is None else past.shape[1]
@@ -275,10 +275,8 @@ class StaticCache(Cache):
 
 class StaticLayerCache(LayerCache):
 
-    def expert_past(self):  # the plain rule's view: the rows so far (a host read of pos)
-        if self.expert_cache is None:
-            return None, None
-        return self.expert_cache[:, :int(self.cache.pos)], self.spent
+    def expert_past(self):  # the buffer, and how many of its rows are written (for the counting)
+        return self.expert_cache, self.spent, self.cache.pos
 
     def append_experts(self, rows, mask):
         B, T, R = rows.shape
@@ -294,13 +292,3 @@ class StaticLayerCache(LayerCache):
         if self.expert_cache is not None:
             self.expert_cache.fill_(float('-inf'))
             self.spent.zero_()
-
-
-def online_mask(scores, k, min_k, max_k, strict, cache):
-    """router.online_seqtopk_cached by counting; against a StaticCache's buffer, with no sync."""
-    if isinstance(cache, StaticLayerCache):
-        past = (cache.expert_cache, cache.cache.pos, cache.spent)
-    else:
-        past, spent = cache.expert_past() if cache is not None else (None, None)
-        past = (past, None, spent)
-    return online_seqtopk_counted(scores, k, min_k, max_k, *past, strict=strict)

@@ -168,7 +168,8 @@ class MoE(nn.Module):
 
     def forward(self, x, cache=None, online=False):
         B, T, C = x.shape
-        mask, gates, scores, aux_loss = self.router(x, cache, online)  # (B, T, N) each
+        past = cache.expert_past() if cache is not None else None  # the Expert Cache so far
+        mask, gates, scores, aux_loss = self.router(x, past, online)  # (B, T, N) each
         if cache is not None and self.router.online:  # the router decided; the Expert Cache
             cache.append_experts(self.router.cache_rows(scores), mask)  # keeps (Eq. 6)
         # the experts run in the autocast dtype (bf16 on GPUs); the router stays in fp32

@@ -104,13 +104,6 @@ def online_seqtopk_mask(scores, k, min_k=1, max_k=None, strict=False, cached=Non
     return torch.stack(masks, dim=1)  # (B, T, N)
 
 
-def online_seqtopk_cached(scores, k, min_k, max_k, strict, cache):
-    """online_seqtopk_mask for new tokens (B, T, N) after a generation's Expert Cache (a
-    cache.LayerCache; None: no earlier tokens)."""
-    cached, spent = cache.expert_past() if cache is not None else (None, None)
-    return online_seqtopk_mask(scores, k, min_k, max_k, strict, cached, spent)
-
-
 def batchtopk_mask(scores, k):
     """BatchTopK (Bussmann et al.), in training: the top B*T*k entries of the batch."""
     B, T, N = scores.shape
@@ -191,21 +184,21 @@ class Router(nn.Module):
             raise ValueError(f"--top_k={config.top_k} must be at most "
                              f"--n_exp={config.n_exp}")
 
-    def forward(self, x, cache=None, online=False):
-        """cache: this layer's part of a generation's Cache (no aux loss then); online: by
-        the online rule, for the routers that have one."""
+    def forward(self, x, past=None, online=False):
+        """past: decoding, the layer's Expert Cache so far (LayerCache.expert_past: rows,
+        spent), no aux loss then; online: by the online rule, for the routers with one."""
         cfg = self.config
         with torch.autocast(x.device.type, enabled=False):  # fp32: near-ties rank alike
             logits = F.linear(x.float(), self.gate.weight.float())  # (B, T, N)
         scores = (logits.softmax(dim=-1) if cfg.score_func == 'softmax' else
                   logits.sigmoid() if cfg.score_func == 'sigmoid' else logits.relu())
-        mask, gates = self.route(logits, scores, cache, online)
-        aux = 0.0 if cache is not None else self.aux_loss(logits, scores, mask, gates)
+        mask, gates = self.route(logits, scores, past, online)
+        aux = 0.0 if past is not None else self.aux_loss(logits, scores, mask, gates)
         return mask, gates, scores, aux
 
-    def route(self, logits, scores, cache, online):
+    def route(self, logits, scores, past, online):
         cfg = self.config
-        mask = self.select(self.choice(scores), cache, online)
+        mask = self.select(self.choice(scores), past, online)
         if cfg.balance == 'bias' and self.training:
             self.expert_load.add_(mask.sum(dim=(0, 1)))
         return mask, routing_weights(scores, mask, cfg.norm_topk_prob, self.route_scale)
@@ -217,7 +210,7 @@ class Router(nn.Module):
         choice = scores + self.expert_bias if self.config.balance == 'bias' else scores
         return choice.masked_fill(choice.isnan(), float('-inf'))
 
-    def select(self, choice, cache, online):  # choice (B, T, N) -> mask (B, T, N)
+    def select(self, choice, past, online):  # choice (B, T, N) -> mask (B, T, N)
         raise NotImplementedError
 
     def current_k(self):  # experts per token now: top_k, or this training step's k
@@ -258,7 +251,7 @@ class TopK(Router):
     """TopK: each token its own k best experts (Eq. 3)."""
     per_step_k = True
 
-    def select(self, choice, cache, online):
+    def select(self, choice, past, online):
         return topk_mask(choice, self.current_k())
 
 
@@ -269,13 +262,13 @@ class MRLTopK(TopK):
 
 class SeqTopK(Router):
     """SeqTopK (Eq. 5) in training; online (causal evaluation, decoding) Eq. 7, token by
-    token against the Expert Cache (read here; the MoE layer appends to it)."""
+    token against the Expert Cache (the MoE layer reads it and appends to it)."""
     online = True
 
     def __init__(self, config):
         super().__init__(config)
         self.min_k, self.max_k = self.bounds(config)  # the per-token bounds, resolved once
-        self.online_rule = online_seqtopk_cached  # fast.paths: fast.online_mask, by counting
+        self.online_rule = online_seqtopk_mask  # fast.paths: by counting, the same masks
 
     @classmethod
     def check(cls, config):
@@ -289,11 +282,11 @@ class SeqTopK(Router):
     def offline(self, choice):  # Eq. 5: the whole sequence at once
         return seqtopk_mask(choice, self.config.top_k, self.min_k, self.max_k)
 
-    def select(self, choice, cache, online):
+    def select(self, choice, past, online):
         if not online:
             return self.offline(choice)
-        strict = self.config.seq_budget == 'strict'
-        return self.online_rule(choice, self.config.top_k, self.min_k, self.max_k, strict, cache)
+        strict, k = self.config.seq_budget == 'strict', self.config.top_k
+        return self.online_rule(choice, k, self.min_k, self.max_k, strict, *(past or ()))
 
     def cache_rows(self, scores):  # what the Expert Cache keeps of new tokens (B, T, R)
         return expert_cache_rows(self.choice(scores), self.min_k, self.max_k)
@@ -311,7 +304,7 @@ class BatchTopK(Router):
         self.register_buffer('smallest_sum', torch.zeros(()))  # since the last step,
         self.register_buffer('smallest_count', torch.zeros(()))  # its micro-batches
 
-    def select(self, choice, cache, online):
+    def select(self, choice, past, online):
         if not self.training:
             return choice > self.threshold
         mask = batchtopk_mask(choice, self.config.top_k)
@@ -378,7 +371,7 @@ class ReLU(Router):
             raise ValueError("--balance=bias needs a router that ranks scores; relu "
                              "balances through its own regulariser (use --balance=aux)")
 
-    def route(self, logits, scores, cache, online):
+    def route(self, logits, scores, past, online):
         gates = F.relu(logits - self.threshold)  # a layer's threshold <= 0 (ReMoE's: 0)
         mask = gates > 0
         if self.training:

@@ -157,8 +157,8 @@ def test_the_counted_decoding_step_equals_eq_7_against_a_static_buffer_of_the_ex
             for m in range(1, 13):
                 cap = spent if strict else None
                 want = online_seqtopk_token(scores[:, m - 1], rows[:, :m - 1], k, min_k, max_k, cap)
-                got = fast.online_seqtopk_counted(scores[:, m - 1:m], k, min_k, max_k, buffer,
-                                                  torch.tensor([m - 1]), spent, strict)[:, 0]
+                got = fast.online_seqtopk_counted(scores[:, m - 1:m], k, min_k, max_k, strict,
+                                                  buffer, spent, torch.tensor([m - 1]))[:, 0]
                 assert torch.equal(got, want)
                 buffer[:, m - 1] = rows[:, m - 1]
                 spent += want.sum(-1)
@@ -251,8 +251,8 @@ def test_the_fast_online_seqtopk_equals_the_reference_whole_and_in_pieces(strict
             # Cache
             past, spent, pieces = None, torch.zeros(3, dtype=torch.long), []
             for start, end in [(0, 5), (5, 6), (6, 13), (13, 14), (14, 37), (37, 40)]:
-                piece = fast.online_seqtopk_counted(scores[:, start:end], k, min_k, max_k, past,
-                                                    spent=spent, strict=strict)
+                piece = fast.online_seqtopk_counted(scores[:, start:end], k, min_k, max_k,
+                                                    strict, past, spent)
                 rows = expert_cache_rows(scores[:, start:end], min_k, max_k)
                 past = rows if past is None else torch.cat([past, rows], dim=1)
                 spent = spent + piece.sum(dim=(1, 2))

@@ -1,11 +1,16 @@
 #!/usr/bin/env bash
-# The GPU tables in one run of 7 to 9 minutes on one H100 (555 s at most, the sum of the limits),
-# each part under its own timeout, every log in one folder (README, "Speed"; results/README.md,
-# "GPU"). The benchmarks run one at a time, alone; then the parts that time nothing run together:
-#   bench-train   bench.py, bf16: the training step per router, default model, eager
+# The GPU tables, each part under its own timeout, every log in one folder (README, "Speed";
+# results/README.md, "GPU"). The benchmarks run one at a time, alone; then the parts that time
+# nothing run together. PARTS=a,b,... runs only those (the speed tables, about 5 minutes on an
+# H100: PARTS=gpu-train,gpu-moe,decode,gpu-decode,tests); all of them take 10 to 12.
+#   gpu-train     bench.py, bf16, the gpu size (6 layers, d=512, T=512, 8 experts of 2048,
+#                 top-2): the training step of topk, seqtopk and the dense twin, eager and
+#                 compiled (CUDA graphs), with MFU, GPU busy time and kernels per step
+#   gpu-moe       one MoE layer of that size against the dense FFN, eager and compiled
+#   decode        cached decoding, compiled (CUDA graphs), at contexts 64, 512 and 960
+#   gpu-decode    the same at the gpu size (contexts 64, 256, 448)
+#   bench-train   the training step per router, default model, eager
 #   bench-moe     the MoE layer vs the dense FFN (64 experts, top-8), eager
-#   bench-decode  cached decoding tok/s, eager and compiled (CUDA graphs)
-#   bench-*-compiled  the training step (topk, seqtopk) and the MoE layer again, compiled
 #   tests         the CUDA tests                                      } together,
 #   train         a default train.py run, --compile=True              } after the
 #   sweep         experiments/config/sweep_gpu.py: topk and seqtopk   } benchmarks
@@ -34,6 +39,7 @@ if [ "${2:-}" = --cpu ]; then
   sizes=(--sizes=tiny --train_steps=2 --repeats=1 --moe_tokens=256 --moe_embd=64 --moe_exp_dim=32
          --moe_n_exp=16 --moe_top_k=4 --moe_repeats=1 --decode_block_size=64 --prompt_tokens=8
          --new_tokens=16 --contexts=16 --steps_at_context=8 --decode_ways=eager)
+  gpu_size=(--sizes=tiny --decode_size=tiny)
   model=("$root/config/tiny.py" --max_iters=4 --eval_interval=4 --eval_iters=1)
   # the GPU preset's sweep (K=2, 5 seeds, 10 runs at once) on the tiny model, 4 steps a run
   sweep=(--max_iters=4 "--train_args=$root/config/tiny.py --dataset=shakespeare
@@ -43,9 +49,11 @@ if [ "${2:-}" = --cpu ]; then
 else
   device=(--device=cuda --dtype=bfloat16)
   sizes=(--sizes=default)
-  # one round at one long context: the compiles (three, cold: 15.5, 11.8 and 13.9 s on the H100)
-  # take most of the part's time
-  decode=(--new_tokens=64 --contexts=960 --steps_at_context=16 --repeats=1)
+  gpu_size=(--sizes=gpu --moe_tokens=8192 --moe_embd=512 --moe_exp_dim=2048 --moe_n_exp=8
+            --moe_top_k=2 --decode_size=gpu --decode_block_size=512 --contexts=64,256,448)
+  # compiled only, one round a context: the compiles (three, cold: 15.5, 11.8 and 13.9 s on the
+  # H100) take most of the part's time
+  decode=(--new_tokens=64 --steps_at_context=16 --repeats=1 --decode_ways=compiled)
   model=(--max_iters=300)
   sweep=()  # the preset as it ran on the H100
 fi
@@ -54,6 +62,7 @@ start=$(date +%s)
 part() {  # part NAME SECONDS COMMAND...: the command under a timeout, its output in OUT/NAME.log
   local name=$1 limit=$(( $2 * scale )) t0
   shift 2
+  if [ -n "${PARTS:-}" ] && [[ ",$PARTS," != *",$name,"* ]]; then return; fi
   t0=$(date +%s)
   # -k: killed 10 s after the limit (on the H200 a compiling train.py told to stop was still
   # running 2 minutes later)
@@ -64,17 +73,20 @@ part() {  # part NAME SECONDS COMMAND...: the command under a timeout, its outpu
 python -c "import sys, torch; print(torch.__version__, sys.version.split()[0],
   torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU')" > "$out/versions.txt"
 bench=(python "$root/bench.py" "${device[@]}")  # --cpu: tiny sizes last, so that they win
-# measured (s): on the H200 bench-train 6 routers < 31, bench-moe 11, bench-train-compiled 60 (3
-# rounds), tests 73; on the H100 bench-decode 99, bench-moe-compiled no row in 60, the sweep 137
-# (133 by its own clock, each run 112-127); after the benchmarks the parts share the GPU
+# measured (s): on the H200 bench-train 6 routers < 31, bench-moe 11, a compiled step of the
+# default model 60 (3 rounds), tests 73; on the H100 decoding 99 (eager and compiled, one
+# context), a compiled MoE table no row in 60, one compiled step of the gpu size 39 with its
+# compile, the sweep 137 (133 by its own clock, each run 112-127); after the benchmarks the parts
+# share the GPU
+part gpu-train 150 "${bench[@]}" --what=train --routers=dense,topk,seqtopk --ways=eager,compiled \
+  --repeats=3 --train_steps=5 --out_dir="$out/gpu-train" "${sizes[@]}" "${gpu_size[@]}"
+part gpu-moe 90 "${bench[@]}" --what=moe --ways=eager,compiled --moe_repeats=5 \
+  --out_dir="$out/gpu-moe" "${sizes[@]}" "${gpu_size[@]}"
+part decode 120 "${bench[@]}" --what=decode --out_dir="$out/decode" "${decode[@]}" "${sizes[@]}"
+part gpu-decode 90 "${bench[@]}" --what=decode --out_dir="$out/gpu-decode" "${decode[@]}" \
+  "${sizes[@]}" "${gpu_size[@]}"
 part bench-train 40 "${bench[@]}" --what=train --out_dir="$out/bench-train" "${sizes[@]}"
 part bench-moe 20 "${bench[@]}" --what=moe --out_dir="$out/bench-moe" "${sizes[@]}"
-part bench-decode 125 "${bench[@]}" --what=decode --out_dir="$out/bench-decode" "${decode[@]}" \
-  "${sizes[@]}"
-part bench-train-compiled 70 "${bench[@]}" --what=train --compile=True --sizes=default \
-  --routers=topk,seqtopk --repeats=3 --out_dir="$out/bench-train-compiled" "${sizes[@]}"
-part bench-moe-compiled 120 "${bench[@]}" --what=moe --compile=True --moe_repeats=5 \
-  --out_dir="$out/bench-moe-compiled" "${sizes[@]}"
 part tests 90 python -m pytest -q -rs -k cuda "$root/tests/test_model.py" \
   "$root/tests/test_decoding.py" "$root/tests/test_faults.py" &
 part train 90 python "$root/train.py" "${model[@]}" --compile=True --out_dir="$out/train" \

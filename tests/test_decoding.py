@@ -154,8 +154,8 @@ def test_eager_generation_runs_the_plain_definitions_not_fast_py(router, monkeyp
 
     def refuse(*args, **kwargs):
         raise AssertionError("eager generation called fast.py")
-    for name in ('online_seqtopk_counted', 'online_mask', 'sorted_experts', 'moe_sorted',
-                 'grouped_mm'):
+    for name in ('online_seqtopk_counted', 'online_token_counted', 'sorted_experts',
+                 'moe_sorted', 'grouped_mm'):
         monkeypatch.setattr(fast, name, refuse)
     assert torch.equal(generate(model, prompt, 20, temperature=0), with_fast)  # the same tokens
 

@@ -740,13 +740,16 @@ def test_the_gpu_script_runs_every_part_on_the_cpu_with_tiny_sizes(prepared, tmp
     assert result.returncode == 0 and 'total: ' in result.stdout, result.stderr
     out = tmp_path / 'gpu'
     summary = (out / 'summary.txt').read_text()
-    for part in ('tests', 'bench-train', 'bench-moe', 'bench-decode', 'bench-train-compiled',
-                 'bench-moe-compiled', 'train', 'sweep'):
+    for part in ('gpu-train', 'gpu-moe', 'decode', 'gpu-decode', 'bench-train', 'bench-moe',
+                 'tests', 'train', 'sweep'):
         log = (out / f'{part}.log').read_text()
         assert f'{part}: exit 0 ' in summary, summary + log[-2000:]
-    bench = json.loads((out / 'bench-train-compiled' / 'bench.json').read_text())
-    assert bench['compile'] and [r['router'] for r in bench['train']] == ['topk', 'seqtopk']
-    decode = json.loads((out / 'bench-decode' / 'bench.json').read_text())['decode']
+    train = json.loads((out / 'gpu-train' / 'bench.json').read_text())['train']
+    assert [(r['router'], r['way']) for r in train] == [
+        (r, w) for r in ('dense', 'topk', 'seqtopk') for w in ('eager', 'compiled')]
+    moe = json.loads((out / 'gpu-moe' / 'bench.json').read_text())['moe']
+    assert ('MoE topk, grouped', 'compiled') in {(r['layer'], r['way']) for r in moe}
+    decode = json.loads((out / 'decode' / 'bench.json').read_text())['decode']
     # eager here: test_decoding compiles it
     assert {r['router'] for r in decode} == {'topk', 'seqtopk'}
     rows = json.loads((out / 'sweep' / 'sweep.json').read_text())['rows']
