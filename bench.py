@@ -38,7 +38,7 @@ from configurator import (Rule, a_seed, autocast_for, configure, each, fail,
                           keep_freed_cpu_memory, one_of, positive_int)
 from model import GPT, GPTConfig, MoE
 from router import ROUTERS, batchtopk_mask, seqtopk_mask, step_ks, topk_mask
-from sample import compiled_decode, generate
+from sample import StaticCache, compiled_decode, generate
 
 # -----------------------------------------------------------------------------
 what = 'all'              # all | route | train | moe | decode
@@ -370,13 +370,13 @@ def bench_decode(results):
     models = {router: build(router, shape).eval() for router in ('topk', 'seqtopk')}
     way_names = decode_ways.split(',')
     ways = {(router, way): (model, compiled_decode(model) if way == 'compiled' else
-                            model.decode_token, (fast.StaticCache if way == 'compiled' else
+                            model.decode_token, (StaticCache if way == 'compiled' else
                                                  Cache)(model.config))
             for router, model in models.items() for way in way_names}
     if 'compiled' in way_names:  # seqtopk's routing and Expert Cache, topk's expert work
         capped = build('seqtopk', shape).eval()
         ways[('seqtopk', CAPPED)] = (capped, compiled_decode(capped, slots=capped.config.top_k),
-                                     fast.StaticCache(capped.config))
+                                     StaticCache(capped.config))
     # the first generation compiles the step, timed cold (no inductor caches); its tokens checked
     compile_s = {}
     for name, (model, step, cache) in ways.items():

@@ -1,13 +1,12 @@
 """
-Fast paths: what model.py, router.py and cache.py define, computed faster, each tested equal to
-its plain definition. The scripts choose them once: paths(model) is the model, sharing its weights,
-with its MoE layers running the sorted dispatch and its SeqTopK routers the online rule by counting.
+Fast paths: what model.py and router.py define, computed faster, each tested equal to its plain
+definition. The scripts choose them once: paths(model) is the model, sharing its weights, with
+its MoE layers running the sorted dispatch and its SeqTopK routers the online rule by counting.
 The model never imports this file; eager generation runs the plain definitions.
 
 - moe_sorted: model.moe_loop with the (token, expert) pairs sorted by expert, each expert's tokens
   one block of rows for a grouped matmul (grouped_mm: one kernel, which compile can trace).
 - online_seqtopk_counted: router.online_seqtopk_mask for many tokens at once, by counting.
-- StaticCache: cache.Cache with the Expert Cache in a static buffer, for a compiled decoding step.
 """
 import copy
 import functools
@@ -15,7 +14,6 @@ import functools
 import torch
 from torch.nn import functional as F
 
-from cache import Cache, LayerCache, static
 from model import MoE
 from router import BatchTopK, MRLTopK, SeqTopK, TopK
 
@@ -192,7 +190,7 @@ def cached_at_least(past, candidates):
 def online_seqtopk_counted(scores, k, min_k, max_k, strict=False, past=None, spent=None,
                            n_past=None):
     """router.online_seqtopk_mask for new tokens (B, T, N) after the Expert Cache past (B, P, R)
-    of n_past tokens (default P; a StaticCache's rows past them unwritten) that took spent (B,)."""
+    of n_past tokens (default P; rows past them unwritten: a static buffer) that took spent (B,)."""
     B, T, N = scores.shape
     R = max_k - min_k  # a token's candidates: its entries of rank [min_k, max_k)
     P = 0 if past is None else past.shape[1]
@@ -263,32 +261,3 @@ def online_token_counted(scores, past, n_past, k, min_k, max_k, spent=None):
     if spent is not None:
         count = torch.minimum(count, m * k - spent)
     return torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, order, rank < count[:, None])
-
-
-class StaticCache(Cache):
-    """cache.Cache with each layer's Expert Cache in a static buffer (block_size rows, -inf until
-    written) written in place at the position: a compiled decoding step is one graph."""
-
-    def new_layer(self):
-        return StaticLayerCache(self)
-
-
-class StaticLayerCache(LayerCache):
-
-    def expert_past(self):  # the buffer, and how many of its rows are written (for the counting)
-        return self.expert_cache, self.spent, self.cache.pos
-
-    def append_experts(self, rows, mask):
-        B, T, R = rows.shape
-        if self.expert_cache is None or self.expert_cache.shape[0] != B:
-            empty = rows.new_full((B, self.cache.block_size, R), float('-inf'))
-            self.expert_cache = static(empty)
-            self.spent = static(torch.zeros(B, dtype=torch.long, device=rows.device))
-        pos = self.cache.pos + torch.arange(T, device=rows.device)  # (T,)
-        self.expert_cache.index_copy_(1, pos, rows)
-        self.spent.add_(mask.sum(dim=(1, 2)))
-
-    def reset(self):  # keeping the buffers
-        if self.expert_cache is not None:
-            self.expert_cache.fill_(float('-inf'))
-            self.spent.zero_()

@@ -16,7 +16,7 @@ from torch.nn import functional as F
 
 import checkpoint as ckpt
 import fast
-from cache import Cache
+from cache import Cache, LayerCache, static
 from configurator import (a_seed, autocast_for, configure, device_name, fail,
                           keep_freed_cpu_memory, non_empty, non_negative, non_negative_int, one_of,
                           pick_device, positive_int)
@@ -62,7 +62,7 @@ def main():
     encode, decode = get_codec(meta)
     x = torch.tensor(prompt_ids(encode, model.config.block_size), device=dev)[None, ...]  # (1, T)
     decoder = compiled_decode(model) if compile else None  # None: eager, the plain definitions
-    cache = (fast.StaticCache if compile else Cache)(model.config)  # reused: buffers stay put
+    cache = (StaticCache if compile else Cache)(model.config)  # reused: buffers stay put
     if compile:  # compiled (on CUDA, its graph recorded) by a short greedy generation, timed apart
         t0 = time.time()
         with ctx:
@@ -118,7 +118,7 @@ def generate(model, idx, max_new_tokens, temperature=1.0, sample_top_k=None, use
     if not use_cache and (prompt_routing == 'joint' or decode is not None):
         raise ValueError("prompt_routing='joint' and a decoding step need use_cache=True")
     if cache is None:
-        cache = (Cache if decode is None else fast.StaticCache)(model.config)
+        cache = (Cache if decode is None else StaticCache)(model.config)
     step = decode or model.decode_token  # (idx, cache, online) -> logits, routing
     start, idx_next = max(0, idx.shape[1] - block_size), None  # the context's start
     for i in range(max_new_tokens):
@@ -187,6 +187,33 @@ def decode_experts(x, mask, gates, w_fc, w_proj, router, slots=None):
     return slot_experts(x, *slot_pairs(mask, gates, slots), w_fc, w_proj)
 
 
+class StaticCache(Cache):
+    """cache.Cache with each layer's Expert Cache in a static buffer of block_size rows written in
+    place at the position, the rows past it ignored: a compiled decoding step is one graph."""
+
+    def new_layer(self):
+        return StaticLayerCache(self)
+
+
+class StaticLayerCache(LayerCache):
+
+    def expert_past(self):  # the buffer, and how many of its rows are written (for the counting)
+        return self.expert_cache, self.spent, self.cache.pos
+
+    def append_experts(self, rows, mask):
+        B, T, R = rows.shape
+        if self.expert_cache is None or self.expert_cache.shape[0] != B:
+            self.expert_cache = static(rows.new_zeros(B, self.cache.block_size, R))
+            self.spent = static(torch.zeros(B, dtype=torch.long, device=rows.device))
+        pos = self.cache.pos + torch.arange(T, device=rows.device)  # (T,)
+        self.expert_cache.index_copy_(1, pos, rows)
+        self.spent.add_(mask.sum(dim=(1, 2)))
+
+    def reset(self):  # keeping the buffers
+        if self.spent is not None:
+            self.spent.zero_()
+
+
 # inductor's settings for the CPU step, where every matmul has one row (one token)
 CPU_DECODE_OPTIONS = {
     'cpp_wrapper': True,  # the step's kernel calls in C++, no interpreter between them
@@ -198,7 +225,7 @@ CPU_DECODE_OPTIONS = {
 def compiled_decode(model, slots=None):
     """model.decode_token by the fast paths, as a decode(idx, cache, online=True) for generate: the
     prompt eagerly, each later token by a step (experts in `slots` slots) compiled once (fullgraph;
-    CUDA: a CUDA graph). cache: a fast.StaticCache. The model is left as it was."""
+    CUDA: a CUDA graph). cache: a StaticCache. The model is left as it was."""
     cuda = next(model.parameters()).is_cuda
     prompt = fast.paths(model)
     step = fast.paths(model, experts=lambda router: functools.partial(
@@ -208,8 +235,8 @@ def compiled_decode(model, slots=None):
                              options=None if cuda else CPU_DECODE_OPTIONS)
 
     def decode(idx, cache, online=True):
-        if not isinstance(cache, fast.StaticCache):  # else the step would compile every token
-            raise ValueError("a compiled decoding step decodes with a fast.StaticCache")
+        if not isinstance(cache, StaticCache):  # else the step would compile every token
+            raise ValueError("a compiled decoding step decodes with a StaticCache")
         if idx.shape[1] > 1 or not online:
             return prompt.decode_token(idx, cache, online)
         if idx.is_cuda:

@@ -145,14 +145,15 @@ def test_online_seqtopk_token_m_takes_its_count_of_the_best_selection_over_token
 @pytest.mark.parametrize("strict", [False, True])
 def test_the_counted_decoding_step_equals_eq_7_against_a_static_buffer_of_the_expert_cache(strict):
     # fast.online_token_counted reads a buffer of block_size rows written up to n_past (a tensor,
-    # as a compiled step reads it); scores of -inf (NaN ones rank last) are routed as Eq. 7 does
+    # as a compiled step reads it), the rest stale (here above any score); scores of -inf (NaN
+    # ones rank last) are routed as Eq. 7 does
     g = torch.Generator().manual_seed(0)
     for ties in (False, True):
         for k, min_k, max_k in [(2, 1, 4), (2, 0, 8), (3, 2, 5), (2, 2, 2)]:
             scores = random_scores(3, 12, 8, seed=k + min_k, ties=ties)
             scores[torch.rand(scores.shape, generator=g) < 0.2] = float('-inf')
             rows = expert_cache_rows(scores, min_k, max_k)
-            buffer = torch.full((3, 16, max_k - min_k), float('-inf'))
+            buffer = torch.full((3, 16, max_k - min_k), 2.0)
             spent = torch.zeros(3, dtype=torch.long)
             for m in range(1, 13):
                 cap = spent if strict else None
