@@ -29,9 +29,10 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # the model's files
 
-from checkpoint import code_version, lock, lock_holder, written  # noqa: E402
-from configurator import (Rule, a_seed, configure, each, fail, non_empty, one_of,  # noqa: E402
-                          parse, positive_int)
+from checkpoint import code_version, load_to_continue, lock, lock_holder, written  # noqa: E402
+from configurator import (Rule, a_seed, check, configure, each, fail, non_empty,  # noqa: E402
+                          one_of, positive_int)
+from model import GPTConfig  # noqa: E402
 from router import ROUTERS  # noqa: E402
 from compare import (format_difference, last_done, markdown, mean_std,  # noqa: E402
                      paired_difference, read_run)
@@ -72,26 +73,27 @@ stopping = []    # why the sweep stops (a signal, a failed run), once something 
 fresh = set()    # run folders to train again from scratch (made with other settings)
 
 
-def script_settings(path, args=()):
-    """The settings `python path args` would run with, without running it: the script's code up
-    to configure() (its imports and settings block), then the args."""
-    body = ast.parse(open(path).read(), path).body
+def train_settings(args=None):
+    """The settings of train.py given train_args and a run's args (None: neither), checked by its
+    code up to configure() and its model's checks, without running it (else ValueError); a run's
+    --init_from, the sweep's own base, left out: it may not exist yet, and has the sweep's model."""
+    body = ast.parse(open(TRAIN).read(), TRAIN).body
     head = ast.Module(body[:next(i for i, node in enumerate(body)
                                  if 'configure(' in ast.unparse(node))], [])
-    namespace = {'__name__': 'settings_of_' + os.path.basename(path), '__file__': path}
-    exec(compile(head, path, 'exec'), namespace)
-    settings = {k: v for k, v in namespace.items()
-                if not k.startswith('_') and isinstance(v, (int, float, bool, str))}
-    for arg in args:  # preset files and --key=value, as configurator.configure applies them
-        preset = {}
-        if arg.startswith('--') and '=' in arg:
-            preset = dict([arg[2:].split('=', 1)])
-        elif os.path.isfile(arg):
-            exec(open(arg).read(), {}, preset)
-        for key, raw in preset.items():  # a bad one: train.py says what is wrong with it
-            if key in settings:
-                settings[key] = parse(key, raw, settings[key])
-    return dict(sorted(settings.items()))
+    train = {'__name__': 'train_settings', '__file__': TRAIN}
+    exec(compile(head, TRAIN, 'exec'), train)
+    args = [] if args is None else [*train_args.split(),
+                                    *[a for a in args if not a.startswith('--init_from=')]]
+    try:
+        settings, given = configure(train, args, train['RULES'], train['RELATIONS'], GPTConfig)
+    except SystemExit as e:  # its one line
+        raise ValueError(str(e.code).removeprefix('error: ')) from None
+    model = {k: settings[k] for k in GPTConfig.__dataclass_fields__ if k in settings}
+    if os.path.isfile(settings['init_from']):  # train_args fine-tune a checkpoint: its model
+        model = load_to_continue(settings['init_from'], False, model, given, quiet=True)[1]
+    GPTConfig(**model).validate()  # as train.py checks the model it builds
+    check(dict(settings, **model), {}, train['MODEL_RELATIONS'])
+    return settings
 
 
 def say(line):  # a whole line, whichever thread says it
@@ -118,16 +120,15 @@ def recorded(folder):
                 run_id=(log['done'] or [start])[-1].get('run_id'))
 
 
-def changed(folder, args, base, defaults):
-    """['setting old -> new', ...] between the run in folder and what args would train now (and
-    a base run trained again since); [] alike, None no run yet."""
+def changed(folder, now, base, defaults):
+    """['setting old -> new', ...] between the run in folder and the settings it would train
+    with now (and a base run trained again since); [] alike, None no run yet."""
     made = recorded(folder)
     if made is None or made['config'] is None and not os.path.exists(
             os.path.join(folder, 'ckpt.pt')):
         return None
     if made['config'] is None:
         return ['its log records no settings (made before runs recorded them)']
-    now = script_settings(TRAIN, [*train_args.split(), *args])
     old = made['config']
     diffs = [f"{k} {old[k]!r} -> {now.get(k)!r}" if k in old else f"{k} (new) {now[k]!r}"
              for k in sorted((set(old) | set(now)) - IGNORED)
@@ -211,19 +212,25 @@ def plan(ks, seed_list, router_list, settings):
     return runs
 
 
-def check_reuse(runs):
-    """A line per run in out_dir made with other settings than the sweep would give it now; then
-    stop, or (--rerun_changed) mark them to train again from scratch."""
-    defaults = script_settings(TRAIN)
-    stale = set()
+def check_runs(runs):
+    """Before the first run trains: each run's settings, checked as train.py checks them (one line
+    names each run it would refuse), and a line per run in out_dir made with other settings than
+    the sweep would give it now; then stop, or (--rerun_changed) train those again from scratch."""
+    defaults, refused, stale = train_settings(), {}, set()
     for _, _, _, name, args, after in runs:  # in plan order: a base run before its fine-tunes
-        folder = os.path.join(out_dir, name)
-        base = os.path.join(out_dir, after) if after else None
-        diffs = changed(folder, args, base, defaults)
+        folder, base = os.path.join(out_dir, name), after and os.path.join(out_dir, after)
+        try:
+            diffs = changed(folder, train_settings(args), base, defaults)
+        except ValueError as e:
+            refused.setdefault(str(e), []).append(name)
+            continue
         if diffs or (base in stale and diffs is not None):
             stale.add(folder)
             why = '; '.join(diffs or ['its base reruns'])
             print(f"{folder} was made with other settings: {why}")
+    if refused:
+        fail(f"train.py would refuse {sum(map(len, refused.values()))} of the {len(runs)} runs, "
+             f"so none ran: " + '; '.join(f"{', '.join(n)} ({why})" for why, n in refused.items()))
     if stale and not rerun_changed:
         fail(f"{len(stale)} run(s) in {out_dir} were made with other settings (above); run them "
              f"again with --rerun_changed=True, or give another --out_dir")
@@ -362,6 +369,11 @@ def main():
         fail("--routers must start with topk: the paired differences are against it")
     if dense and finetune:
         fail("dense rows compare pretraining runs (a dense model has no routing to fine-tune)")
+    try:
+        runs = plan(ks, seed_list, router_list, train_settings([]))
+    except ValueError as e:
+        fail(f"--train_args: {e}")
+    check_runs(runs)  # and the runs out_dir holds
     os.makedirs(out_dir, exist_ok=True)
     if not lock(os.path.join(out_dir, LOCK)):
         fail(f"--out_dir={out_dir} is in use by a live sweep "
@@ -370,8 +382,6 @@ def main():
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, frame: stop(signal.Signals(signum).name))
     start = time.time()
-    runs = plan(ks, seed_list, router_list, script_settings(TRAIN, train_args.split()))
-    check_reuse(runs)
     finished = run_all(runs)
     rows = rows_of(runs, finished, ks)
     records = [dict(finished[name], name=name, kind=group[1] if group else 'pretrain', seed=seed)

@@ -240,16 +240,37 @@ def test_bad_sweep_settings_fail_with_one_line(workdir):
                 and 'Traceback' not in result.stderr)
 
 
+def test_a_sweep_checks_every_run_s_settings_before_the_first_one_trains(workdir):
+    """As train.py checks them: its rules, its model's (K at most n_exp), a router's own settings
+    and --train_args; one line names each run it would refuse, and nothing is made."""
+    for args, line in [
+            (['--routers=topk,seqtopk', '--top_ks=2,8'],
+             "error: train.py would refuse 2 of the 4 runs, so none ran: topk-k8-s1, seqtopk-k8-s1 "
+             "(--top_k=8 must be at most --n_exp=4)"),
+            (['--routers=topk,seqtopk+bogus=1,relu+seq_causal=2', '--top_ks=2'],
+             "error: train.py would refuse 2 of the 3 runs, so none ran: seqtopk+bogus=1-k2-s1 "
+             "(unknown setting --bogus; --help lists the settings); relu+seq_causal=2-k2-s1 "
+             "(--seq_causal=2 must be True or False)"),
+            (['--train_args=--n_exp=four'],
+             "error: --train_args: --n_exp=four must be an integer")]:
+        result = run('experiments/sweep.py', '--out_dir=checked', '--seeds=1', '--max_iters=4',
+                     f'--train_args={TINY} --eval_interval=10', *args, cwd=workdir)
+        assert one_error_line(result) == line
+        assert not (workdir / 'checked').exists()
+
+
 def test_a_sweep_stops_at_its_first_failed_run_and_starts_no_other(workdir):
-    result = run('experiments/sweep.py', '--out_dir=failing', '--routers=topk', '--top_ks=9',
-                 '--seeds=1,2,3', '--max_iters=2', f'--train_args={TINY}', cwd=workdir)
+    result = run('experiments/sweep.py', '--out_dir=failing', '--routers=topk', '--top_ks=2',
+                 '--seeds=1,2,3', '--max_iters=2', f'--train_args={TINY} --dataset=absent',
+                 cwd=workdir)
     assert result.returncode != 0 and 'Traceback' not in result.stderr, result.stderr
     assert result.stderr.strip().splitlines()[-1] == (
-        "error: the run in failing/topk-k9-s1 failed (--top_k=9 must be at most --n_exp=4); see "
-        "failing/topk-k9-s1.out")
+        "error: the run in failing/topk-k2-s1 failed (no data in data/absent/; make it with "
+        "`python prepare.py --text=FILE --dataset=absent` (or `--source=SOURCE`), or use the "
+        "built-in --dataset=shakespeare_char); see failing/topk-k2-s1.out")
     assert '[1/3] $ ' in result.stdout and '[2/3]' not in result.stdout, result.stdout
     assert sorted(f for f in os.listdir(workdir / 'failing') if f.endswith('.out')) == [
-        'topk-k9-s1.out']
+        'topk-k2-s1.out']
 
 
 # -----------------------------------------------------------------------------
