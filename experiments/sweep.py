@@ -1,12 +1,12 @@
 """
 Sparsity sweeps: routers x K x seeds, each a plain train.py run in out_dir/<name>/, tabulated with
 each router's paired difference from topk (same seed = same initialisation and batches) in
-out_dir/sweep.json and sweep.csv. Finished runs are reused and stopped ones (Ctrl-C, SIGTERM)
-resumed, only if made with the settings the sweep gives them now (--rerun_changed=True: train them
-again); one sweep holds an out_dir at a time. finetune=True fine-tunes a TopK checkpoint per seed
-with every router at every K, and adds training-free rows (that checkpoint evaluated with each
-routing but mrltopk's, which is topk's); dense='active,total' adds dense GPTs (--moe_every=0) of
-FFN width K*exp_dim and n_exp*exp_dim. A router may carry its own settings: `seqtopk+balance=bias`.
+out_dir/sweep.json and sweep.csv. Finished runs are reused and stopped ones (Ctrl-C, SIGTERM,
+SIGHUP) resumed, only if made with the settings the sweep gives them now (--rerun_changed=True:
+train them again); one sweep holds an out_dir at a time. finetune=True fine-tunes a TopK checkpoint
+per seed with every router at every K, and adds training-free rows (that checkpoint evaluated with
+each routing but mrltopk's, which is topk's); dense='active,total' adds dense GPTs (--moe_every=0)
+of FFN width K*exp_dim and n_exp*exp_dim. A router may carry settings: `seqtopk+balance=bias`.
 
     python experiments/sweep.py experiments/config/sweep_cpu.py   # pretraining, with dense rows
     python experiments/sweep.py experiments/config/sweep_finetune_cpu.py  # the paper's Table 1
@@ -14,6 +14,7 @@ FFN width K*exp_dim and n_exp*exp_dim. A router may carry its own settings: `seq
 """
 import ast
 import csv
+import ctypes
 import json
 import os
 import signal
@@ -138,6 +139,15 @@ def changed(folder, now, base, defaults):
     return diffs
 
 
+def ends_with(parent, prctl):
+    """In train.py's process before it starts: SIGTERM (it saves, stops) when parent ends, even
+    killed (PR_SET_PDEATHSIG: Linux)."""
+    if prctl:
+        prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # it ended before that
+        os._exit(1)
+
+
 def train(folder, args, number):
     """Run train.py unless folder holds a finished run, resuming a stopped one (its ckpt.pt, no
     'done' record); return its final record (None: the sweep is stopping)."""
@@ -151,9 +161,11 @@ def train(folder, args, number):
         if jobs > 1:  # share the cores: one run's threads should not contend with another's
             env['OMP_NUM_THREADS'] = str(max(1, (os.cpu_count() or 1) // jobs))
         say(f"{number} $ {' '.join(cmd[1:])}")
+        parent, prctl = os.getpid(), ctypes.CDLL(None).prctl if sys.platform == 'linux' else None
         with open(folder + '.out', 'a' if resume else 'w') as log:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                    start_new_session=True)  # Ctrl-C reaches it through stop()
+                                    start_new_session=True,  # Ctrl-C reaches it through stop()
+                                    preexec_fn=lambda: ends_with(parent, prctl))
             running.add(proc)
             if stopping:  # the sweep stopped while it started
                 proc.send_signal(signal.SIGTERM)
@@ -379,7 +391,7 @@ def main():
         fail(f"--out_dir={out_dir} is in use by a live sweep "
              f"({lock_holder(os.path.join(out_dir, LOCK)) or 'just ended'}); wait for it to end "
              f"or stop it, or give another --out_dir")
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # SIGHUP: its terminal closed
         signal.signal(sig, lambda signum, frame: stop(signal.Signals(signum).name))
     start = time.time()
     finished = run_all(runs)

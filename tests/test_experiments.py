@@ -2,6 +2,8 @@
 The experiment tools as tests: paired statistics, sweeps with dense rows, the sweep figures.
 Run: python -m pytest -q
 """
+import contextlib
+import glob
 import json
 import math
 import os
@@ -462,6 +464,57 @@ def test_an_interrupted_sweep_stops_its_runs_and_the_same_command_resumes_them(w
     assert json.load(open(workdir / 'stopped' / 'sweep.json'))['rows']
 
 
+def children(pid):
+    """The ids of pid's child processes, from Linux's /proc."""
+    found = []
+    for stat in glob.glob('/proc/[0-9]*/stat'):
+        with contextlib.suppress(OSError):  # a process that ended meanwhile
+            if open(stat).read().rsplit(')', 1)[1].split()[1] == str(pid):
+                found.append(int(stat.split('/')[2]))
+    return found
+
+
+def running(pid):  # neither gone nor a zombie
+    with contextlib.suppress(OSError):
+        return open(f'/proc/{pid}/stat').read().rsplit(')', 1)[1].split()[0] != 'Z'
+    return False
+
+
+def stopped_saved(log):
+    """The run's log ends with its stop, mid-run, and its checkpoint is there."""
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    return (records[-1]['event'] == 'stopped' and 0 < records[-1]['iter'] < 300
+            and (log.parent / 'ckpt.pt').exists())
+
+
+@pytest.mark.parametrize('name', ['SIGHUP', 'SIGINT'])  # its terminal closed; Ctrl-C
+def test_a_sweep_s_runs_save_and_stop_with_it_on_sighup_and_ctrl_c(workdir, name):
+    import signal
+    sweep, _, log = sweep_in_training(workdir, name, '1')
+    sweep.send_signal(getattr(signal, name))
+    out, err = sweep.communicate(timeout=120)
+    assert err.strip().splitlines()[-1].startswith(
+        f'{name}: stopped the sweep with 0 of 1 runs finished'), err
+    assert stopped_saved(log)
+
+
+def test_a_sweep_killed_leaves_no_run_training_its_run_saves_and_stops(workdir):
+    import signal
+    import time
+    sweep, _, log = sweep_in_training(workdir, 'killed', '1')
+    [train] = children(sweep.pid)
+    sweep.kill()  # SIGKILL: the sweep can do nothing; the kernel tells its run (SIGTERM)
+    sweep.communicate(timeout=60)
+    try:
+        deadline = time.time() + 120
+        while running(train) and time.time() < deadline:
+            time.sleep(0.1)
+        assert not running(train) and stopped_saved(log)
+    finally:
+        with contextlib.suppress(OSError):
+            os.kill(train, signal.SIGKILL)
+
+
 # -----------------------------------------------------------------------------
 # reruns that could mix: a sweep reuses a run only as it would make it now, one sweep an out_dir
 
@@ -617,12 +670,10 @@ def test_equal_compute_says_which_topk_runs_a_blank_difference_needs(tmp_path, m
 
 
 def test_a_sweep_run_that_exits_without_finishing_is_reported_failed_in_one_line(workdir):
-    import glob
     import signal
     sweep, _, _ = sweep_in_training(workdir, 'unfinished', '1')
-    children = [int(p.split('/')[2]) for p in glob.glob('/proc/[0-9]*/stat')
-                if open(p).read().rsplit(')', 1)[1].split()[1] == str(sweep.pid)]
-    os.kill(children[0], signal.SIGTERM)  # its train.py stops, saved, and exits 0: not finished
+    # its train.py stops, saved, and exits 0: not finished
+    os.kill(children(sweep.pid)[0], signal.SIGTERM)
     out, err = sweep.communicate(timeout=120)
     assert sweep.returncode != 0 and 'Traceback' not in err, err
     assert err.strip().splitlines()[-1] == (
