@@ -13,6 +13,7 @@ of FFN width K*exp_dim and n_exp*exp_dim. A router may carry settings: `seqtopk+
     python experiments/sweep.py --routers=topk,seqtopk --top_ks=4,2 --seeds=1,2,3 --max_iters=300
 """
 import ast
+import contextlib
 import csv
 import ctypes
 import json
@@ -32,7 +33,7 @@ sys.path.insert(0, ROOT)  # the model's files
 
 from checkpoint import code_version, load_to_continue, lock, lock_holder, written  # noqa: E402
 from configurator import (Rule, a_seed, check, configure, each, fail, non_empty,  # noqa: E402
-                          one_of, positive_int)
+                          non_negative_int, one_of, positive_int)
 from model import GPTConfig  # noqa: E402
 from router import ROUTERS  # noqa: E402
 from compare import (format_difference, last_done, markdown, mean_std,  # noqa: E402
@@ -52,6 +53,11 @@ finetune_args = ''        # passed to the fine-tuning runs only (after train_arg
 jobs = 1                  # runs at once; with more than one, each gets cpu_count // jobs threads
 train_args = '--n_exp=32 --exp_dim=32 --eval_interval=500'  # passed to every train.py run
 rerun_changed = False     # a finished or stopped run made with other settings: run it again
+launcher = 'local'        # 'local': runs on this machine; 'slurm': a SLURM job per run (submitit)
+slurm_partition = ''      # the jobs' partition ('': the cluster's default)
+slurm_time = 240          # each job's time limit in minutes: a run past it is requeued, resumed
+slurm_gpus = 1            # GPUs per job
+slurm_cpus = 8            # CPUs per job
 # -----------------------------------------------------------------------------
 
 
@@ -62,14 +68,15 @@ def router_of(variant):  # 'seqtopk+balance=bias' -> 'seqtopk'
 RULES = dict(out_dir=non_empty, routers=each(one_of(*ROUTERS), router_of),
              top_ks=each(positive_int, int), seeds=each(a_seed, int),
              max_iters=positive_int, pretrain_k=positive_int, pretrain_iters=positive_int,
-             jobs=positive_int,
+             jobs=positive_int, launcher=one_of('local', 'slurm'), slurm_time=positive_int,
+             slurm_gpus=non_negative_int, slurm_cpus=positive_int,
              dense=Rule(lambda v: v == '' or all(i in ('active', 'total') for i in v.split(',')),
                         "'' (none), 'active', 'total' or 'active,total'"))
 TRAIN = os.path.join(ROOT, 'train.py')
 LOCK = 'sweep.lock'  # in out_dir: held (flock) by the sweep that runs there
 IGNORED = {'out_dir', 'overwrite', 'init_from'}  # where and how a run starts, not what it trains
 print_lock = threading.Lock()
-running = set()  # the train.py processes under way
+running = set()  # how to stop each run under way
 stopping = []    # why the sweep stops (a signal, a failed run), once something stopped it
 fresh = set()    # run folders to train again from scratch (made with other settings)
 
@@ -106,8 +113,8 @@ def stop(why):
     """Every run under way stops (it saves), no new run starts; the sweep exits once they have."""
     if not stopping:
         stopping.append(why)
-        for proc in list(running):
-            proc.send_signal(signal.SIGTERM)
+        for end in list(running):
+            end()
 
 
 def recorded(folder):
@@ -141,43 +148,81 @@ def changed(folder, now, base, defaults):
 
 def ends_with(parent, prctl):
     """In train.py's process before it starts: SIGTERM (it saves, stops) when parent ends, even
-    killed (PR_SET_PDEATHSIG: Linux)."""
+    killed (PR_SET_PDEATHSIG: Linux); SLURM's warning, SIGUSR2, held: checkpoint() stops it."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR2})
     if prctl:
         prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
     if os.getppid() != parent:  # it ended before that
         os._exit(1)
 
 
-def train(folder, args, number):
-    """Run train.py unless folder holds a finished run, resuming a stopped one (its ckpt.pt, no
-    'done' record); return its final record (None: the sweep is stopping)."""
+class Job:
+    """A run's train.py, output to folder.out, resuming its ckpt.pt unless fresh (trained again, an
+    evaluation). As a submitit job preempted or timed out: checkpoint(), then requeued, resumed."""
+
+    def __init__(self, cmd, folder, fresh):
+        self.cmd, self.folder, self.fresh, self.proc, self.stopped = cmd, folder, fresh, None, 0
+
+    def command(self):
+        resume = not self.fresh and os.path.exists(os.path.join(self.folder, 'ckpt.pt'))
+        return [*[a for a in self.cmd if not (resume and a.startswith('--init_from='))],
+                '--init_from=resume' if resume else '--overwrite=True']
+
+    def __call__(self):  # train.py's exit status
+        cmd, parent = self.command(), os.getpid()
+        prctl = ctypes.CDLL(None).prctl if sys.platform == 'linux' else None
+        with open(self.folder + '.out', 'a' if cmd[-1] == '--init_from=resume' else 'w') as log:
+            self.proc = subprocess.Popen(  # a session of its own: Ctrl-C reaches it by stop()
+                cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                preexec_fn=lambda: ends_with(parent, prctl))
+            if self.stopped:  # the sweep stopped while it started
+                self.stop()
+            return self.proc.wait()
+
+    def stop(self):  # train.py saves after its step and exits
+        self.stopped = 1
+        if self.proc:
+            self.proc.send_signal(signal.SIGTERM)
+
+    def checkpoint(self):
+        import submitit
+        if self.proc:
+            self.stop()
+            with contextlib.suppress(ChildProcessError):  # not proc.wait(): the wait that this
+                os.waitpid(self.proc.pid, 0)  # signal interrupted holds its lock
+        return submitit.helpers.DelayedSubmission(Job(self.cmd, self.folder, False))
+
+
+def train(folder, args, number, executor):
+    """Run train.py (executor: as a submitit job) unless folder holds a finished run, resuming a
+    stopped one (no 'done' record); return its final record (None: the sweep is stopping)."""
     again, evaluation = folder in fresh, '--eval_only=True' in args
     if (again or last_done(folder, evaluation) is None) and not stopping:
-        resume = not again and not evaluation and os.path.exists(os.path.join(folder, 'ckpt.pt'))
-        args = [a for a in args if not (resume and a.startswith('--init_from='))]
-        cmd = [sys.executable, TRAIN, *train_args.split(), *args, f'--out_dir={folder}',
-               '--init_from=resume' if resume else '--overwrite=True']
-        env = dict(os.environ)
-        if jobs > 1:  # share the cores: one run's threads should not contend with another's
-            env['OMP_NUM_THREADS'] = str(max(1, (os.cpu_count() or 1) // jobs))
-        say(f"{number} $ {' '.join(cmd[1:])}")
-        parent, prctl = os.getpid(), ctypes.CDLL(None).prctl if sys.platform == 'linux' else None
-        with open(folder + '.out', 'a' if resume else 'w') as log:
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                    start_new_session=True,  # Ctrl-C reaches it through stop()
-                                    preexec_fn=lambda: ends_with(parent, prctl))
-            running.add(proc)
-            if stopping:  # the sweep stopped while it started
-                proc.send_signal(signal.SIGTERM)
-            proc.wait()
-            running.discard(proc)
+        job = Job([sys.executable, TRAIN, *train_args.split(), *args, f'--out_dir={folder}'],
+                  folder, again or evaluation)
+        say(f"{number} $ {' '.join(job.command()[1:])}")
+        try:
+            submitted = executor and executor.submit(job)
+        except Exception as e:  # sbatch refused it: a partition the cluster lacks...
+            stop('a job was refused')
+            fail(f"submitit could not submit the run in {folder} ({e!r})")
+        end = (lambda: submitted.cancel(check=False)) if submitted else job.stop
+        running.add(end)
+        if stopping:  # the sweep stopped while it started
+            end()
+        # a job that ended without train.py's exit status (cancelled, killed...): its exception
+        code = submitted.exception() or submitted.result() if submitted else job()
+        running.discard(end)
         if stopping:
             return None
         failed = None
-        if proc.returncode != 0:
-            lines = open(folder + '.out', errors='replace').read().strip().splitlines()
+        if code != 0:
+            lines = (open(folder + '.out', errors='replace').read().strip().splitlines()
+                     if os.path.exists(folder + '.out') else [])
             why = next((line for line in reversed(lines) if line.startswith('error: ')),
-                       lines[-1] if lines else f'exit status {proc.returncode}')
+                       f'job {submitted.job_id}: {str(code).splitlines()[0]}'
+                       if isinstance(code, Exception) else lines[-1] if lines
+                       else f'exit status {code}')
             failed = f"the run in {folder} failed ({why.removeprefix('error: ')})"
         elif last_done(folder, evaluation) is None:
             failed = f"the run in {folder} exited without finishing (its log has no done record)"
@@ -249,7 +294,7 @@ def check_runs(runs):
     fresh.update(stale)
 
 
-def run_all(runs):
+def run_all(runs, executor):
     """Run the plan, `jobs` runs at once, saying each run's start, result and the time left; the
     first failure stops the sweep. Returns {name: final record}."""
     futures, finished, took, start = {}, {}, [], time.time()
@@ -258,7 +303,8 @@ def run_all(runs):
         if after is not None:
             futures[after].result()  # its checkpoint must exist first
         t0 = time.time()
-        record = finished[name] = train(os.path.join(out_dir, name), args, f"[{i}/{len(runs)}]")
+        record = finished[name] = train(os.path.join(out_dir, name), args, f"[{i}/{len(runs)}]",
+                                        executor)
         if record is not None:
             took.append(time.time() - t0)
             causal = record.get('val_ce_causal')
@@ -386,6 +432,20 @@ def main():
     except ValueError as e:
         fail(f"--train_args: {e}")
     check_runs(runs)  # and the runs out_dir holds
+    executor = None
+    if launcher == 'slurm':  # a job per run; submitit is imported only here
+        try:
+            import submitit
+            executor = submitit.AutoExecutor(os.path.join(out_dir, 'slurm'), cluster='slurm')
+        except ImportError:
+            fail("--launcher=slurm needs submitit: pip install submitit")
+        except RuntimeError as e:  # not on a SLURM cluster
+            fail(f"--launcher=slurm: {e}")
+        executor.update_parameters(timeout_min=slurm_time, gpus_per_node=slurm_gpus,
+                                   cpus_per_task=slurm_cpus,
+                                   slurm_partition=slurm_partition or None)
+    elif jobs > 1:  # share the cores: one run's threads should not contend with another's
+        os.environ['OMP_NUM_THREADS'] = str(max(1, (os.cpu_count() or 1) // jobs))
     os.makedirs(out_dir, exist_ok=True)
     if not lock(os.path.join(out_dir, LOCK)):
         fail(f"--out_dir={out_dir} is in use by a live sweep "
@@ -394,7 +454,7 @@ def main():
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # SIGHUP: its terminal closed
         signal.signal(sig, lambda signum, frame: stop(signal.Signals(signum).name))
     start = time.time()
-    finished = run_all(runs)
+    finished = run_all(runs, executor)
     rows = rows_of(runs, finished, ks)
     records = [dict(finished[name], name=name, kind=group[1] if group else 'pretrain', seed=seed)
                for group, _, seed, name, _, _ in runs]

@@ -421,9 +421,9 @@ def test_the_decoding_figure_is_drawn_from_a_bench_json(tmp_path, drawn):
     assert bars == [12.0, 12.0, 90.0, 80.0, 150.0, 130.0]
 
 
-def sweep_in_training(workdir, out_dir, seeds, *extra):
-    """experiments/sweep.py started on tiny 300-step runs, once its first run has trained a step:
-    the process, its arguments and that run's log."""
+def sweep_in_training(workdir, out_dir, seeds, *extra, python=()):
+    """experiments/sweep.py started on tiny 300-step runs (python: what runs it), once its first
+    run has trained a step: the process, its arguments and that run's log."""
     import subprocess
     import sys
     import time
@@ -431,7 +431,8 @@ def sweep_in_training(workdir, out_dir, seeds, *extra):
     args = [f'--out_dir={out_dir}', '--routers=topk', '--top_ks=2', f'--seeds={seeds}',
             '--max_iters=300', *extra,
             f'--train_args={TINY} --n_exp=4 --eval_interval=1000 --log_interval=1']
-    sweep = subprocess.Popen([sys.executable, os.path.join(REPO, 'experiments', 'sweep.py'), *args],
+    sweep = subprocess.Popen([sys.executable, *python, os.path.join(REPO, 'experiments',
+                                                                    'sweep.py'), *args],
                              cwd=workdir, env=OFFLINE_ENV, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True)
     log = workdir / out_dir / 'topk-k2-s1' / 'log.jsonl'
@@ -513,6 +514,45 @@ def test_a_sweep_killed_leaves_no_run_training_its_run_saves_and_stops(workdir):
     finally:
         with contextlib.suppress(OSError):
             os.kill(train, signal.SIGKILL)
+
+
+def python_with(prelude):
+    """python's arguments that run prelude, then the script named next, as `python script`."""
+    return ('-c', prelude + "\nimport os, runpy, sys\nsys.argv = sys.argv[1:]\n"
+            "sys.path.insert(0, os.path.dirname(sys.argv[0]))\n"
+            "runpy.run_path(sys.argv[0], run_name='__main__')")
+
+
+# submitit's local executor standing in for SLURM: the same pickled job, run by submitit's own
+# processes, preempted by its signal and requeued
+ON_SUBMITIT_LOCAL = python_with("import submitit\nauto = submitit.AutoExecutor\n"
+                                "submitit.AutoExecutor = lambda folder, cluster: auto(folder, "
+                                "cluster='local')")
+
+
+def test_a_slurm_sweep_runs_each_run_as_a_submitit_job_that_resumes_when_preempted(workdir):
+    import signal
+    import subprocess
+    import sys
+    no_submitit = subprocess.run(
+        [sys.executable, *python_with("import sys\nsys.modules['submitit'] = None"),
+         os.path.join(REPO, 'experiments', 'sweep.py'), '--out_dir=nosubmitit', '--seeds=1',
+         '--launcher=slurm'], cwd=workdir, capture_output=True, text=True)
+    assert one_error_line(no_submitit) == \
+        "error: --launcher=slurm needs submitit: pip install submitit"
+    sweep, _, log = sweep_in_training(workdir, 'slurm', '1', '--launcher=slurm', '--slurm_gpus=0',
+                                      python=ON_SUBMITIT_LOCAL)
+    [controller] = children(sweep.pid)  # submitit's, which runs the job
+    [job] = children(controller)
+    os.kill(job, signal.SIGUSR2)  # submitit's signal: preempted (or its time is nearly up)
+    out, err = sweep.communicate(timeout=300)
+    assert sweep.returncode == 0, err
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    events = [r['event'] for r in records]
+    # train.py saved when preempted, and the job, requeued, resumed it: no step twice
+    assert events.count('stopped') == 1 and events.count('done') == 1, events
+    assert [r['iter'] for r in records if r['event'] == 'train'] == list(range(1, 301))
+    assert json.load(open(workdir / 'slurm' / 'sweep.json'))['rows']
 
 
 # -----------------------------------------------------------------------------
