@@ -31,7 +31,7 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # the model's files
 
-from checkpoint import code_version, load_to_continue, lock, lock_holder, written  # noqa: E402
+from checkpoint import code_version, lock, lock_holder, written  # noqa: E402
 from configurator import (Rule, a_seed, check, configure, each, fail, non_empty,  # noqa: E402
                           non_negative_int, one_of, positive_int)
 from model import GPTConfig  # noqa: E402
@@ -81,24 +81,29 @@ stopping = []    # why the sweep stops (a signal, a failed run), once something 
 fresh = set()    # run folders to train again from scratch (made with other settings)
 
 
-def train_settings(args=None):
-    """The settings of train.py given train_args and a run's args (None: neither), checked by its
-    code up to configure() and its model's checks, without running it (else ValueError); a run's
-    --init_from, the sweep's own base, left out: it may not exist yet, and has the sweep's model."""
-    body = ast.parse(open(TRAIN).read(), TRAIN).body
+def script_settings(path, args=(), dataclass=None):
+    """The settings `python path args` would run with, checked by the script's own rules without
+    running it, and its namespace: its code up to configure() (imports, settings block, rules),
+    then configure(); else ValueError."""
+    body = ast.parse(open(path).read(), path).body
     head = ast.Module(body[:next(i for i, node in enumerate(body)
                                  if 'configure(' in ast.unparse(node))], [])
-    train = {'__name__': 'train_settings', '__file__': TRAIN}
-    exec(compile(head, TRAIN, 'exec'), train)
-    args = [] if args is None else [*train_args.split(),
-                                    *[a for a in args if not a.startswith('--init_from=')]]
+    script = {'__name__': 'settings_of_' + os.path.basename(path), '__file__': path}
+    exec(compile(head, path, 'exec'), script)
     try:
-        settings, given = configure(train, args, train['RULES'], train['RELATIONS'], GPTConfig)
+        return configure(script, list(args), script['RULES'], script.get('RELATIONS', ()),
+                         dataclass)[0], script
     except SystemExit as e:  # its one line
         raise ValueError(str(e.code).removeprefix('error: ')) from None
+
+
+def train_settings(args=None):
+    """train.py's settings given train_args and a run's args (None: neither), checked as train.py
+    checks them, its model's too; a run's --init_from, the sweep's own base, is left out: it may
+    not exist yet, and has the sweep's model (as any checkpoint's model is not read here)."""
+    settings, train = script_settings(TRAIN, [] if args is None else [
+        *train_args.split(), *[a for a in args if not a.startswith('--init_from=')]], GPTConfig)
     model = {k: settings[k] for k in GPTConfig.__dataclass_fields__ if k in settings}
-    if os.path.isfile(settings['init_from']):  # train_args fine-tune a checkpoint: its model
-        model = load_to_continue(settings['init_from'], False, model, given, quiet=True)[1]
     GPTConfig(**model).validate()  # as train.py checks the model it builds
     check(dict(settings, **model), {}, train['MODEL_RELATIONS'])
     return settings
