@@ -1,19 +1,21 @@
 """
 Sparsity sweeps: routers x K x seeds, each a plain train.py run in out_dir/<name>/, tabulated with
 each router's paired difference from topk (same seed = same initialisation and batches) in
-out_dir/sweep.json and sweep.csv. Finished runs are reused and stopped ones (Ctrl-C, SIGTERM)
-resumed, only if made with the settings the sweep gives them now (--rerun_changed=True: train them
-again); one sweep holds an out_dir at a time. finetune=True fine-tunes a TopK checkpoint per seed
-with every router at every K, and adds training-free rows (that checkpoint evaluated with each
-routing but mrltopk's, which is topk's); dense='active,total' adds dense GPTs (--moe_every=0) of
-FFN width K*exp_dim and n_exp*exp_dim. A router may carry its own settings: `seqtopk+balance=bias`.
+out_dir/sweep.json and sweep.csv. Finished runs are reused and stopped ones (Ctrl-C, SIGTERM,
+SIGHUP) resumed, only if made with the settings the sweep gives them now (--rerun_changed=True:
+train them again); one sweep holds an out_dir at a time. finetune=True fine-tunes a TopK checkpoint
+per seed with every router at every K, and adds training-free rows (that checkpoint evaluated with
+each routing but mrltopk's, which is topk's); dense='active,total' adds dense GPTs (--moe_every=0)
+of FFN width K*exp_dim and n_exp*exp_dim. A router may carry settings: `seqtopk+balance=bias`.
 
     python experiments/sweep.py experiments/config/sweep_cpu.py   # pretraining, with dense rows
     python experiments/sweep.py experiments/config/sweep_finetune_cpu.py  # the paper's Table 1
     python experiments/sweep.py --routers=topk,seqtopk --top_ks=4,2 --seeds=1,2,3 --max_iters=300
 """
 import ast
+import contextlib
 import csv
+import ctypes
 import json
 import os
 import signal
@@ -30,8 +32,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # the model's files
 
 from checkpoint import code_version, lock, lock_holder, written  # noqa: E402
-from configurator import (Rule, a_seed, configure, each, fail, non_empty, one_of,  # noqa: E402
-                          parse, positive_int)
+from configurator import (Rule, a_seed, check, configure, each, fail, non_empty,  # noqa: E402
+                          non_negative_int, one_of, positive_int)
+from model import GPTConfig  # noqa: E402
 from router import ROUTERS  # noqa: E402
 from compare import (format_difference, last_done, markdown, mean_std,  # noqa: E402
                      paired_difference, read_run)
@@ -50,6 +53,11 @@ finetune_args = ''        # passed to the fine-tuning runs only (after train_arg
 jobs = 1                  # runs at once; with more than one, each gets cpu_count // jobs threads
 train_args = '--n_exp=32 --exp_dim=32 --eval_interval=500'  # passed to every train.py run
 rerun_changed = False     # a finished or stopped run made with other settings: run it again
+launcher = 'local'        # 'local': runs on this machine; 'slurm': a SLURM job per run (submitit)
+slurm_partition = ''      # the jobs' partition ('': the cluster's default)
+slurm_time = 240          # each job's time limit in minutes: a run past it is requeued, resumed
+slurm_gpus = 1            # GPUs per job
+slurm_cpus = 8            # CPUs per job
 # -----------------------------------------------------------------------------
 
 
@@ -60,38 +68,45 @@ def router_of(variant):  # 'seqtopk+balance=bias' -> 'seqtopk'
 RULES = dict(out_dir=non_empty, routers=each(one_of(*ROUTERS), router_of),
              top_ks=each(positive_int, int), seeds=each(a_seed, int),
              max_iters=positive_int, pretrain_k=positive_int, pretrain_iters=positive_int,
-             jobs=positive_int,
+             jobs=positive_int, launcher=one_of('local', 'slurm'), slurm_time=positive_int,
+             slurm_gpus=non_negative_int, slurm_cpus=positive_int,
              dense=Rule(lambda v: v == '' or all(i in ('active', 'total') for i in v.split(',')),
                         "'' (none), 'active', 'total' or 'active,total'"))
 TRAIN = os.path.join(ROOT, 'train.py')
 LOCK = 'sweep.lock'  # in out_dir: held (flock) by the sweep that runs there
 IGNORED = {'out_dir', 'overwrite', 'init_from'}  # where and how a run starts, not what it trains
 print_lock = threading.Lock()
-running = set()  # the train.py processes under way
+running = set()  # how to stop each run under way
 stopping = []    # why the sweep stops (a signal, a failed run), once something stopped it
 fresh = set()    # run folders to train again from scratch (made with other settings)
 
 
-def script_settings(path, args=()):
-    """The settings `python path args` would run with, without running it: the script's code up
-    to configure() (its imports and settings block), then the args."""
+def script_settings(path, args=(), dataclass=None):
+    """The settings `python path args` would run with, checked by the script's own rules without
+    running it, and its namespace: its code up to configure() (imports, settings block, rules),
+    then configure(); else ValueError."""
     body = ast.parse(open(path).read(), path).body
     head = ast.Module(body[:next(i for i, node in enumerate(body)
                                  if 'configure(' in ast.unparse(node))], [])
-    namespace = {'__name__': 'settings_of_' + os.path.basename(path), '__file__': path}
-    exec(compile(head, path, 'exec'), namespace)
-    settings = {k: v for k, v in namespace.items()
-                if not k.startswith('_') and isinstance(v, (int, float, bool, str))}
-    for arg in args:  # preset files and --key=value, as configurator.configure applies them
-        preset = {}
-        if arg.startswith('--') and '=' in arg:
-            preset = dict([arg[2:].split('=', 1)])
-        elif os.path.isfile(arg):
-            exec(open(arg).read(), {}, preset)
-        for key, raw in preset.items():  # a bad one: train.py says what is wrong with it
-            if key in settings:
-                settings[key] = parse(key, raw, settings[key])
-    return dict(sorted(settings.items()))
+    script = {'__name__': 'settings_of_' + os.path.basename(path), '__file__': path}
+    exec(compile(head, path, 'exec'), script)
+    try:
+        return configure(script, list(args), script['RULES'], script.get('RELATIONS', ()),
+                         dataclass)[0], script
+    except SystemExit as e:  # its one line
+        raise ValueError(str(e.code).removeprefix('error: ')) from None
+
+
+def train_settings(args=None):
+    """train.py's settings given train_args and a run's args (None: neither), checked as train.py
+    checks them, its model's too; a run's --init_from, the sweep's own base, is left out: it may
+    not exist yet, and has the sweep's model (as any checkpoint's model is not read here)."""
+    settings, train = script_settings(TRAIN, [] if args is None else [
+        *train_args.split(), *[a for a in args if not a.startswith('--init_from=')]], GPTConfig)
+    model = {k: settings[k] for k in GPTConfig.__dataclass_fields__ if k in settings}
+    GPTConfig(**model).validate()  # as train.py checks the model it builds
+    check(dict(settings, **model), {}, train['MODEL_RELATIONS'])
+    return settings
 
 
 def say(line):  # a whole line, whichever thread says it
@@ -103,8 +118,8 @@ def stop(why):
     """Every run under way stops (it saves), no new run starts; the sweep exits once they have."""
     if not stopping:
         stopping.append(why)
-        for proc in list(running):
-            proc.send_signal(signal.SIGTERM)
+        for end in list(running):
+            end()
 
 
 def recorded(folder):
@@ -118,16 +133,15 @@ def recorded(folder):
                 run_id=(log['done'] or [start])[-1].get('run_id'))
 
 
-def changed(folder, args, base, defaults):
-    """['setting old -> new', ...] between the run in folder and what args would train now (and
-    a base run trained again since); [] alike, None no run yet."""
+def changed(folder, now, base, defaults):
+    """['setting old -> new', ...] between the run in folder and the settings it would train
+    with now (and a base run trained again since); [] alike, None no run yet."""
     made = recorded(folder)
     if made is None or made['config'] is None and not os.path.exists(
             os.path.join(folder, 'ckpt.pt')):
         return None
     if made['config'] is None:
         return ['its log records no settings (made before runs recorded them)']
-    now = script_settings(TRAIN, [*train_args.split(), *args])
     old = made['config']
     diffs = [f"{k} {old[k]!r} -> {now.get(k)!r}" if k in old else f"{k} (new) {now[k]!r}"
              for k in sorted((set(old) | set(now)) - IGNORED)
@@ -137,34 +151,83 @@ def changed(folder, args, base, defaults):
     return diffs
 
 
-def train(folder, args, number):
-    """Run train.py unless folder holds a finished run, resuming a stopped one (its ckpt.pt, no
-    'done' record); return its final record (None: the sweep is stopping)."""
+def ends_with(parent, prctl):
+    """In train.py's process before it starts: SIGTERM (it saves, stops) when parent ends, even
+    killed (PR_SET_PDEATHSIG: Linux); SLURM's warning, SIGUSR2, held: checkpoint() stops it."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR2})
+    if prctl:
+        prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # it ended before that
+        os._exit(1)
+
+
+class Job:
+    """A run's train.py, output to folder.out, resuming its ckpt.pt unless fresh (trained again, an
+    evaluation). As a submitit job preempted or timed out: checkpoint(), then requeued, resumed."""
+
+    def __init__(self, cmd, folder, fresh):
+        self.cmd, self.folder, self.fresh, self.proc, self.stopped = cmd, folder, fresh, None, 0
+
+    def command(self):
+        resume = not self.fresh and os.path.exists(os.path.join(self.folder, 'ckpt.pt'))
+        return [*[a for a in self.cmd if not (resume and a.startswith('--init_from='))],
+                '--init_from=resume' if resume else '--overwrite=True']
+
+    def __call__(self):  # train.py's exit status
+        cmd, parent = self.command(), os.getpid()
+        prctl = ctypes.CDLL(None).prctl if sys.platform == 'linux' else None
+        with open(self.folder + '.out', 'a' if cmd[-1] == '--init_from=resume' else 'w') as log:
+            self.proc = subprocess.Popen(  # a session of its own: Ctrl-C reaches it by stop()
+                cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                preexec_fn=lambda: ends_with(parent, prctl))
+            if self.stopped:  # the sweep stopped while it started
+                self.stop()
+            return self.proc.wait()
+
+    def stop(self):  # train.py saves after its step and exits
+        self.stopped = 1
+        if self.proc:
+            self.proc.send_signal(signal.SIGTERM)
+
+    def checkpoint(self):
+        import submitit
+        if self.proc:
+            self.stop()
+            with contextlib.suppress(ChildProcessError):  # not proc.wait(): the wait that this
+                os.waitpid(self.proc.pid, 0)  # signal interrupted holds its lock
+        return submitit.helpers.DelayedSubmission(Job(self.cmd, self.folder, False))
+
+
+def train(folder, args, number, executor):
+    """Run train.py (executor: as a submitit job) unless folder holds a finished run, resuming a
+    stopped one (no 'done' record); return its final record (None: the sweep is stopping)."""
     again, evaluation = folder in fresh, '--eval_only=True' in args
     if (again or last_done(folder, evaluation) is None) and not stopping:
-        resume = not again and not evaluation and os.path.exists(os.path.join(folder, 'ckpt.pt'))
-        args = [a for a in args if not (resume and a.startswith('--init_from='))]
-        cmd = [sys.executable, TRAIN, *train_args.split(), *args, f'--out_dir={folder}',
-               '--init_from=resume' if resume else '--overwrite=True']
-        env = dict(os.environ)
-        if jobs > 1:  # share the cores: one run's threads should not contend with another's
-            env['OMP_NUM_THREADS'] = str(max(1, (os.cpu_count() or 1) // jobs))
-        say(f"{number} $ {' '.join(cmd[1:])}")
-        with open(folder + '.out', 'a' if resume else 'w') as log:
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                    start_new_session=True)  # Ctrl-C reaches it through stop()
-            running.add(proc)
-            if stopping:  # the sweep stopped while it started
-                proc.send_signal(signal.SIGTERM)
-            proc.wait()
-            running.discard(proc)
+        job = Job([sys.executable, TRAIN, *train_args.split(), *args, f'--out_dir={folder}'],
+                  folder, again or evaluation)
+        say(f"{number} $ {' '.join(job.command()[1:])}")
+        try:
+            submitted = executor and executor.submit(job)
+        except Exception as e:  # sbatch refused it: a partition the cluster lacks...
+            stop('a job was refused')
+            fail(f"submitit could not submit the run in {folder} ({e!r})")
+        end = (lambda: submitted.cancel(check=False)) if submitted else job.stop
+        running.add(end)
+        if stopping:  # the sweep stopped while it started
+            end()
+        # a job that ended without train.py's exit status (cancelled, killed...): its exception
+        code = submitted.exception() or submitted.result() if submitted else job()
+        running.discard(end)
         if stopping:
             return None
         failed = None
-        if proc.returncode != 0:
-            lines = open(folder + '.out', errors='replace').read().strip().splitlines()
+        if code != 0:
+            lines = (open(folder + '.out', errors='replace').read().strip().splitlines()
+                     if os.path.exists(folder + '.out') else [])
             why = next((line for line in reversed(lines) if line.startswith('error: ')),
-                       lines[-1] if lines else f'exit status {proc.returncode}')
+                       f'job {submitted.job_id}: {str(code).splitlines()[0]}'
+                       if isinstance(code, Exception) else lines[-1] if lines
+                       else f'exit status {code}')
             failed = f"the run in {folder} failed ({why.removeprefix('error: ')})"
         elif last_done(folder, evaluation) is None:
             failed = f"the run in {folder} exited without finishing (its log has no done record)"
@@ -211,26 +274,32 @@ def plan(ks, seed_list, router_list, settings):
     return runs
 
 
-def check_reuse(runs):
-    """A line per run in out_dir made with other settings than the sweep would give it now; then
-    stop, or (--rerun_changed) mark them to train again from scratch."""
-    defaults = script_settings(TRAIN)
-    stale = set()
+def check_runs(runs):
+    """Before the first run trains: each run's settings, checked as train.py checks them (one line
+    names each run it would refuse), and a line per run in out_dir made with other settings than
+    the sweep would give it now; then stop, or (--rerun_changed) train those again from scratch."""
+    defaults, refused, stale = train_settings(), {}, set()
     for _, _, _, name, args, after in runs:  # in plan order: a base run before its fine-tunes
-        folder = os.path.join(out_dir, name)
-        base = os.path.join(out_dir, after) if after else None
-        diffs = changed(folder, args, base, defaults)
+        folder, base = os.path.join(out_dir, name), after and os.path.join(out_dir, after)
+        try:
+            diffs = changed(folder, train_settings(args), base, defaults)
+        except ValueError as e:
+            refused.setdefault(str(e), []).append(name)
+            continue
         if diffs or (base in stale and diffs is not None):
             stale.add(folder)
             why = '; '.join(diffs or ['its base reruns'])
             print(f"{folder} was made with other settings: {why}")
+    if refused:
+        fail(f"train.py would refuse {sum(map(len, refused.values()))} of the {len(runs)} runs, "
+             f"so none ran: " + '; '.join(f"{', '.join(n)} ({why})" for why, n in refused.items()))
     if stale and not rerun_changed:
         fail(f"{len(stale)} run(s) in {out_dir} were made with other settings (above); run them "
              f"again with --rerun_changed=True, or give another --out_dir")
     fresh.update(stale)
 
 
-def run_all(runs):
+def run_all(runs, executor):
     """Run the plan, `jobs` runs at once, saying each run's start, result and the time left; the
     first failure stops the sweep. Returns {name: final record}."""
     futures, finished, took, start = {}, {}, [], time.time()
@@ -239,7 +308,8 @@ def run_all(runs):
         if after is not None:
             futures[after].result()  # its checkpoint must exist first
         t0 = time.time()
-        record = finished[name] = train(os.path.join(out_dir, name), args, f"[{i}/{len(runs)}]")
+        record = finished[name] = train(os.path.join(out_dir, name), args, f"[{i}/{len(runs)}]",
+                                        executor)
         if record is not None:
             took.append(time.time() - t0)
             causal = record.get('val_ce_causal')
@@ -362,17 +432,34 @@ def main():
         fail("--routers must start with topk: the paired differences are against it")
     if dense and finetune:
         fail("dense rows compare pretraining runs (a dense model has no routing to fine-tune)")
+    try:
+        runs = plan(ks, seed_list, router_list, train_settings([]))
+    except ValueError as e:
+        fail(f"--train_args: {e}")
+    check_runs(runs)  # and the runs out_dir holds
+    executor = None
+    if launcher == 'slurm':  # a job per run; submitit is imported only here
+        try:
+            import submitit
+            executor = submitit.AutoExecutor(os.path.join(out_dir, 'slurm'), cluster='slurm')
+        except ImportError:
+            fail("--launcher=slurm needs submitit: pip install submitit")
+        except RuntimeError as e:  # not on a SLURM cluster
+            fail(f"--launcher=slurm: {e}")
+        executor.update_parameters(timeout_min=slurm_time, gpus_per_node=slurm_gpus,
+                                   cpus_per_task=slurm_cpus,
+                                   slurm_partition=slurm_partition or None)
+    elif jobs > 1:  # share the cores: one run's threads should not contend with another's
+        os.environ['OMP_NUM_THREADS'] = str(max(1, (os.cpu_count() or 1) // jobs))
     os.makedirs(out_dir, exist_ok=True)
     if not lock(os.path.join(out_dir, LOCK)):
         fail(f"--out_dir={out_dir} is in use by a live sweep "
              f"({lock_holder(os.path.join(out_dir, LOCK)) or 'just ended'}); wait for it to end "
              f"or stop it, or give another --out_dir")
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # SIGHUP: its terminal closed
         signal.signal(sig, lambda signum, frame: stop(signal.Signals(signum).name))
     start = time.time()
-    runs = plan(ks, seed_list, router_list, script_settings(TRAIN, train_args.split()))
-    check_reuse(runs)
-    finished = run_all(runs)
+    finished = run_all(runs, executor)
     rows = rows_of(runs, finished, ks)
     records = [dict(finished[name], name=name, kind=group[1] if group else 'pretrain', seed=seed)
                for group, _, seed, name, _, _ in runs]

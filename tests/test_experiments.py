@@ -2,6 +2,8 @@
 The experiment tools as tests: paired statistics, sweeps with dense rows, the sweep figures.
 Run: python -m pytest -q
 """
+import contextlib
+import glob
 import json
 import math
 import os
@@ -240,16 +242,37 @@ def test_bad_sweep_settings_fail_with_one_line(workdir):
                 and 'Traceback' not in result.stderr)
 
 
+def test_a_sweep_checks_every_run_s_settings_before_the_first_one_trains(workdir):
+    """As train.py checks them: its rules, its model's (K at most n_exp), a router's own settings
+    and --train_args; one line names each run it would refuse, and nothing is made."""
+    for args, line in [
+            (['--routers=topk,seqtopk', '--top_ks=2,8'],
+             "error: train.py would refuse 2 of the 4 runs, so none ran: topk-k8-s1, seqtopk-k8-s1 "
+             "(--top_k=8 must be at most --n_exp=4)"),
+            (['--routers=topk,seqtopk+bogus=1,relu+seq_causal=2', '--top_ks=2'],
+             "error: train.py would refuse 2 of the 3 runs, so none ran: seqtopk+bogus=1-k2-s1 "
+             "(unknown setting --bogus; --help lists the settings); relu+seq_causal=2-k2-s1 "
+             "(--seq_causal=2 must be True or False)"),
+            (['--train_args=--n_exp=four'],
+             "error: --train_args: --n_exp=four must be an integer")]:
+        result = run('experiments/sweep.py', '--out_dir=checked', '--seeds=1', '--max_iters=4',
+                     f'--train_args={TINY} --eval_interval=10', *args, cwd=workdir)
+        assert one_error_line(result) == line
+        assert not (workdir / 'checked').exists()
+
+
 def test_a_sweep_stops_at_its_first_failed_run_and_starts_no_other(workdir):
-    result = run('experiments/sweep.py', '--out_dir=failing', '--routers=topk', '--top_ks=9',
-                 '--seeds=1,2,3', '--max_iters=2', f'--train_args={TINY}', cwd=workdir)
+    result = run('experiments/sweep.py', '--out_dir=failing', '--routers=topk', '--top_ks=2',
+                 '--seeds=1,2,3', '--max_iters=2', f'--train_args={TINY} --dataset=absent',
+                 cwd=workdir)
     assert result.returncode != 0 and 'Traceback' not in result.stderr, result.stderr
     assert result.stderr.strip().splitlines()[-1] == (
-        "error: the run in failing/topk-k9-s1 failed (--top_k=9 must be at most --n_exp=4); see "
-        "failing/topk-k9-s1.out")
+        "error: the run in failing/topk-k2-s1 failed (no data in data/absent/; make it with "
+        "`python prepare.py --text=FILE --dataset=absent` (or `--source=SOURCE`), or use the "
+        "built-in --dataset=shakespeare_char); see failing/topk-k2-s1.out")
     assert '[1/3] $ ' in result.stdout and '[2/3]' not in result.stdout, result.stdout
     assert sorted(f for f in os.listdir(workdir / 'failing') if f.endswith('.out')) == [
-        'topk-k9-s1.out']
+        'topk-k2-s1.out']
 
 
 # -----------------------------------------------------------------------------
@@ -398,9 +421,9 @@ def test_the_decoding_figure_is_drawn_from_a_bench_json(tmp_path, drawn):
     assert bars == [12.0, 12.0, 90.0, 80.0, 150.0, 130.0]
 
 
-def sweep_in_training(workdir, out_dir, seeds, *extra):
-    """experiments/sweep.py started on tiny 300-step runs, once its first run has trained a step:
-    the process, its arguments and that run's log."""
+def sweep_in_training(workdir, out_dir, seeds, *extra, python=()):
+    """experiments/sweep.py started on tiny 300-step runs (python: what runs it), once its first
+    run has trained a step: the process, its arguments and that run's log."""
     import subprocess
     import sys
     import time
@@ -408,7 +431,8 @@ def sweep_in_training(workdir, out_dir, seeds, *extra):
     args = [f'--out_dir={out_dir}', '--routers=topk', '--top_ks=2', f'--seeds={seeds}',
             '--max_iters=300', *extra,
             f'--train_args={TINY} --n_exp=4 --eval_interval=1000 --log_interval=1']
-    sweep = subprocess.Popen([sys.executable, os.path.join(REPO, 'experiments', 'sweep.py'), *args],
+    sweep = subprocess.Popen([sys.executable, *python, os.path.join(REPO, 'experiments',
+                                                                    'sweep.py'), *args],
                              cwd=workdir, env=OFFLINE_ENV, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True)
     log = workdir / out_dir / 'topk-k2-s1' / 'log.jsonl'
@@ -439,6 +463,96 @@ def test_an_interrupted_sweep_stops_its_runs_and_the_same_command_resumes_them(w
     # no step twice
     assert [r['iter'] for r in records if r['event'] == 'train'] == list(range(1, 301))
     assert json.load(open(workdir / 'stopped' / 'sweep.json'))['rows']
+
+
+def children(pid):
+    """The ids of pid's child processes, from Linux's /proc."""
+    found = []
+    for stat in glob.glob('/proc/[0-9]*/stat'):
+        with contextlib.suppress(OSError):  # a process that ended meanwhile
+            if open(stat).read().rsplit(')', 1)[1].split()[1] == str(pid):
+                found.append(int(stat.split('/')[2]))
+    return found
+
+
+def running(pid):  # neither gone nor a zombie
+    with contextlib.suppress(OSError):
+        return open(f'/proc/{pid}/stat').read().rsplit(')', 1)[1].split()[0] != 'Z'
+    return False
+
+
+def stopped_saved(log):
+    """The run's log ends with its stop, mid-run, and its checkpoint is there."""
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    return (records[-1]['event'] == 'stopped' and 0 < records[-1]['iter'] < 300
+            and (log.parent / 'ckpt.pt').exists())
+
+
+@pytest.mark.parametrize('name', ['SIGHUP', 'SIGINT'])  # its terminal closed; Ctrl-C
+def test_a_sweep_s_runs_save_and_stop_with_it_on_sighup_and_ctrl_c(workdir, name):
+    import signal
+    sweep, _, log = sweep_in_training(workdir, name, '1')
+    sweep.send_signal(getattr(signal, name))
+    out, err = sweep.communicate(timeout=120)
+    assert err.strip().splitlines()[-1].startswith(
+        f'{name}: stopped the sweep with 0 of 1 runs finished'), err
+    assert stopped_saved(log)
+
+
+def test_a_sweep_killed_leaves_no_run_training_its_run_saves_and_stops(workdir):
+    import signal
+    import time
+    sweep, _, log = sweep_in_training(workdir, 'killed', '1')
+    [train] = children(sweep.pid)
+    sweep.kill()  # SIGKILL: the sweep can do nothing; the kernel tells its run (SIGTERM)
+    sweep.communicate(timeout=60)
+    try:
+        deadline = time.time() + 120
+        while running(train) and time.time() < deadline:
+            time.sleep(0.1)
+        assert not running(train) and stopped_saved(log)
+    finally:
+        with contextlib.suppress(OSError):
+            os.kill(train, signal.SIGKILL)
+
+
+def python_with(prelude):
+    """python's arguments that run prelude, then the script named next, as `python script`."""
+    return ('-c', prelude + "\nimport os, runpy, sys\nsys.argv = sys.argv[1:]\n"
+            "sys.path.insert(0, os.path.dirname(sys.argv[0]))\n"
+            "runpy.run_path(sys.argv[0], run_name='__main__')")
+
+
+# submitit's local executor standing in for SLURM: the same pickled job, run by submitit's own
+# processes, preempted by its signal and requeued
+ON_SUBMITIT_LOCAL = python_with("import submitit\nauto = submitit.AutoExecutor\n"
+                                "submitit.AutoExecutor = lambda folder, cluster: auto(folder, "
+                                "cluster='local')")
+
+
+def test_a_slurm_sweep_runs_each_run_as_a_submitit_job_that_resumes_when_preempted(workdir):
+    import signal
+    import subprocess
+    import sys
+    no_submitit = subprocess.run(
+        [sys.executable, *python_with("import sys\nsys.modules['submitit'] = None"),
+         os.path.join(REPO, 'experiments', 'sweep.py'), '--out_dir=nosubmitit', '--seeds=1',
+         '--launcher=slurm'], cwd=workdir, capture_output=True, text=True)
+    assert one_error_line(no_submitit) == \
+        "error: --launcher=slurm needs submitit: pip install submitit"
+    sweep, _, log = sweep_in_training(workdir, 'slurm', '1', '--launcher=slurm', '--slurm_gpus=0',
+                                      python=ON_SUBMITIT_LOCAL)
+    [controller] = children(sweep.pid)  # submitit's, which runs the job
+    [job] = children(controller)
+    os.kill(job, signal.SIGUSR2)  # submitit's signal: preempted (or its time is nearly up)
+    out, err = sweep.communicate(timeout=300)
+    assert sweep.returncode == 0, err
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    events = [r['event'] for r in records]
+    # train.py saved when preempted, and the job, requeued, resumed it: no step twice
+    assert events.count('stopped') == 1 and events.count('done') == 1, events
+    assert [r['iter'] for r in records if r['event'] == 'train'] == list(range(1, 301))
+    assert json.load(open(workdir / 'slurm' / 'sweep.json'))['rows']
 
 
 # -----------------------------------------------------------------------------
@@ -596,12 +710,10 @@ def test_equal_compute_says_which_topk_runs_a_blank_difference_needs(tmp_path, m
 
 
 def test_a_sweep_run_that_exits_without_finishing_is_reported_failed_in_one_line(workdir):
-    import glob
     import signal
     sweep, _, _ = sweep_in_training(workdir, 'unfinished', '1')
-    children = [int(p.split('/')[2]) for p in glob.glob('/proc/[0-9]*/stat')
-                if open(p).read().rsplit(')', 1)[1].split()[1] == str(sweep.pid)]
-    os.kill(children[0], signal.SIGTERM)  # its train.py stops, saved, and exits 0: not finished
+    # its train.py stops, saved, and exits 0: not finished
+    os.kill(children(sweep.pid)[0], signal.SIGTERM)
     out, err = sweep.communicate(timeout=120)
     assert sweep.returncode != 0 and 'Traceback' not in err, err
     assert err.strip().splitlines()[-1] == (
