@@ -39,7 +39,7 @@ if [ "${2:-}" = --cpu ]; then
   sizes=(--sizes=tiny --train_steps=2 --repeats=1 --moe_tokens=256 --moe_embd=64 --moe_exp_dim=32
          --moe_n_exp=16 --moe_top_k=4 --moe_repeats=1 --decode_block_size=64 --prompt_tokens=8
          --new_tokens=16 --contexts=16 --steps_at_context=8 --decode_ways=eager)
-  gpu_size=(--sizes=tiny --decode_size=tiny)
+  gpu_size=(--sizes=tiny --decode_size=tiny --ways=eager)  # compiling: tests/test_model.py
   model=("$root/config/tiny.py" --max_iters=4 --eval_interval=4 --eval_iters=1)
   # the GPU preset's sweep (K=2, 5 seeds, 10 runs at once) on the tiny model, 4 steps a run
   sweep=(--max_iters=4 "--train_args=$root/config/tiny.py --dataset=shakespeare

@@ -746,10 +746,9 @@ def test_the_gpu_script_runs_every_part_on_the_cpu_with_tiny_sizes(prepared, tmp
         log = (out / f'{part}.log').read_text()
         assert f'{part}: exit 0 ' in summary, summary + log[-2000:]
     train = json.loads((out / 'gpu-train' / 'bench.json').read_text())['train']
-    assert [(r['router'], r['way']) for r in train] == [
-        (r, w) for r in ('dense', 'topk', 'seqtopk') for w in ('eager', 'compiled')]
+    assert [r['router'] for r in train] == ['dense', 'topk', 'seqtopk']  # eager here
     moe = json.loads((out / 'gpu-moe' / 'bench.json').read_text())['moe']
-    assert ('MoE topk, grouped', 'compiled') in {(r['layer'], r['way']) for r in moe}
+    assert 'MoE topk, grouped' in {r['layer'] for r in moe}
     decode = json.loads((out / 'decode' / 'bench.json').read_text())['decode']
     # eager here: test_decoding compiles it
     assert {r['router'] for r in decode} == {'topk', 'seqtopk'}
