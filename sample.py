@@ -180,10 +180,13 @@ def decode_slots(router):
 
 def decode_experts(x, mask, gates, w_fc, w_proj, router, slots=None):
     """A decoding step's experts, each token's in `slots` slots (default decode_slots; no bound:
-    fast.sorted_experts)."""
+    fast.sorted_experts). On the CPU, where reading a count waits for nothing, only as many slots
+    as a token takes (a size the compiled step reads: capture_scalar_outputs)."""
     slots = slots or decode_slots(router)
     if slots is None:
         return fast.sorted_experts(x, mask, gates, w_fc, w_proj, router)
+    if not x.is_cuda:  # a token taking none: one slot of gate 0
+        slots = torch.sym_max(1, torch.sym_min(int(mask.sum(-1).max()), slots))
     return slot_experts(x, *slot_pairs(mask, gates, slots), w_fc, w_proj)
 
 
@@ -241,7 +244,8 @@ def compiled_decode(model, slots=None):
             return prompt.decode_token(idx, cache, online)
         if idx.is_cuda:
             torch.compiler.cudagraph_mark_step_begin()  # the last step's outputs are read: replay
-        return compiled(idx, cache)
+        with torch._dynamo.config.patch(capture_scalar_outputs=True):  # the CPU's slot count
+            return compiled(idx, cache)
     return decode
 
 
