@@ -734,9 +734,11 @@ def test_sample_routes_the_prompt_jointly_when_asked(workdir):
 
 def test_the_gpu_script_runs_every_part_on_the_cpu_with_tiny_sizes(prepared, tmp_path):
     shutil.copytree(prepared / 'data', tmp_path / 'data')  # it runs where data/ is
+    # the parts' limits out of reach (x1000: hours), so that a busy machine cannot fail a part;
+    # the limits themselves are tested with commands that sleep (the next test)
     result = subprocess.run(['bash', os.path.join(REPO, 'experiments', 'gpu.sh'), 'gpu', '--cpu'],
-                            cwd=tmp_path, env=OFFLINE_ENV, capture_output=True, text=True,
-                            timeout=900)
+                            cwd=tmp_path, env=dict(OFFLINE_ENV, GPU_SH_SCALE='1000'),
+                            capture_output=True, text=True, timeout=1800)  # a hang, not a clock
     assert result.returncode == 0 and 'total: ' in result.stdout, result.stderr
     out = tmp_path / 'gpu'
     summary = (out / 'summary.txt').read_text()
@@ -744,6 +746,7 @@ def test_the_gpu_script_runs_every_part_on_the_cpu_with_tiny_sizes(prepared, tmp
                  'bench-moe-compiled', 'train', 'sweep'):
         log = (out / f'{part}.log').read_text()
         assert f'{part}: exit 0 ' in summary, summary + log[-2000:]
+    assert re.search(r'^bench-moe: exit 0 after \d+ s \(limit 20000 s\)$', summary, re.M), summary
     bench = json.loads((out / 'bench-train-compiled' / 'bench.json').read_text())
     assert bench['compile'] and [r['router'] for r in bench['train']] == ['topk', 'seqtopk']
     decode = json.loads((out / 'bench-decode' / 'bench.json').read_text())['decode']
@@ -753,6 +756,30 @@ def test_the_gpu_script_runs_every_part_on_the_cpu_with_tiny_sizes(prepared, tmp
     row = next(r for r in rows if r['router'] == 'seqtopk')
     assert row['K'] == 2 and row['diff_n'] == 5 and row['diff_low'] is not None  # paired, 5 seeds
     assert 'Δ vs topk (causal)' in (out / 'sweep.log').read_text()
+
+
+def test_a_gpu_script_part_is_stopped_at_its_limit_and_killed_10_s_later_if_it_ignores_that(
+        tmp_path):
+    # gpu.sh's own part(), driven by commands that sleep: the limit logic without real work racing
+    # a clock (a busy machine only makes the parts that stop late later, never sooner)
+    script = open(os.path.join(REPO, 'experiments', 'gpu.sh')).read()
+    part = re.search(r'^part\(\) \{.*?^\}$', script, re.M | re.S).group(0)
+    driver = part + """
+out=$1 scale=3
+part quick 20 true
+scale=1
+part slow 1 sleep 600
+part deaf 1 bash -c 'trap "" TERM; sleep 600'
+"""  # deaf: SIGTERM ignored (by sleep too, which inherits that), as a stuck compile
+    result = subprocess.run(['bash', '-c', driver, 'bash', str(tmp_path)], capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    quick, slow, deaf = (re.fullmatch(r'(\w+): exit (\d+) after (\d+) s \(limit (\d+) s\)', line)
+                         for line in (tmp_path / 'summary.txt').read_text().splitlines())
+    assert quick.group(1, 2, 4) == ('quick', '0', '60')  # the limit x scale
+    assert slow.group(1, 2, 4) == ('slow', '124', '1') and int(slow.group(3)) >= 1  # timeout's
+    assert deaf.group(1, 2, 4) == ('deaf', '137', '1') and int(deaf.group(3)) >= 11  # SIGKILL
+    assert (tmp_path / 'summary.txt').read_text() == result.stdout  # the summary, also shown
 
 
 def test_the_gpu_script_runs_every_test_that_needs_a_gpu():
