@@ -801,6 +801,16 @@ def test_the_gpu_script_runs_every_test_that_needs_a_gpu():
         assert 'cuda' in test and f'"$root/{path}"' in tests_line, (path, test)
 
 
+def test_ci_runs_the_readme_s_whole_suite_and_the_quick_command_names_the_model_s_tests():
+    block = open(os.path.join(REPO, 'README.md')).read().split('\n## Tests\n')[1].split('```')[1]
+    quick, whole = [line.split('  #')[0].strip() for line in block.splitlines()
+                    if line.startswith('python -m pytest')]
+    assert whole in open(os.path.join(REPO, '.ci', 'run')).read().splitlines()
+    files = [arg for arg in quick.split() if arg.endswith('.py')]
+    assert files == ['test_router.py', 'tests/test_model.py', 'tests/test_decoding.py']
+    assert quick.startswith(whole) and all(os.path.exists(os.path.join(REPO, f)) for f in files)
+
+
 def test_bench_times_the_routing_alone(tmp_path):
     result = run('bench.py', '--what=route', '--repeats=1', f'--out_dir={tmp_path}', cwd=tmp_path)
     assert result.returncode == 0, result.stderr
@@ -879,15 +889,18 @@ def test_the_generation_clock_waits_for_the_gpu_it_is_given(monkeypatch):
 
 def test_sample_s_tokens_per_second_count_the_generated_tokens_not_the_prompt(
         workdir, monkeypatch, capsys):
-    # the prompt's forward made a second slow: the clock, started after it, must not see it
+    # the prompt's forward made 1000 s slow on a clock of the test's own (a real sleep would race
+    # the decoding steps' real time): the clock, started after it, must not see it
     import runpy
     import time
     from model import GPT
-    forward = GPT.forward
+    forward, now = GPT.forward, [0.0]
+    for clock in ('time', 'perf_counter', 'monotonic'):  # whichever sample.py reads
+        monkeypatch.setattr(time, clock, lambda: now[0])
 
     def slow_prompt(self, idx, *args, **kwargs):
         if idx.shape[1] > 1:
-            time.sleep(1.0)
+            now[0] += 1000.0
         return forward(self, idx, *args, **kwargs)
     monkeypatch.setattr(GPT, 'forward', slow_prompt)
     monkeypatch.chdir(workdir)
