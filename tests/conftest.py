@@ -28,6 +28,12 @@ torch.set_num_threads(1)
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
+def pytest_collection_modifyitems(items):
+    """The tests marked long first: with -n auto a worker starts each while the others work
+    through the short ones, instead of running it alone at the end."""
+    items.sort(key=lambda item: item.get_closest_marker('long') is None)
+
+
 # -----------------------------------------------------------------------------
 # a tiny model and what it learns
 

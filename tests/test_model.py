@@ -303,6 +303,7 @@ def test_an_expert_without_tokens_gets_a_zero_weight_gradient_whatever_the_kerne
     assert (got[1] == 0).all() and (got[3] == 0).all() and (want[1] == 0).all()
 
 
+@pytest.mark.compile
 @pytest.mark.parametrize("router", ["topk", "seqtopk"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_training_forward_compiles_to_one_graph_with_no_break(router, dtype):
@@ -335,6 +336,7 @@ def test_cuda_bf16_dispatch_equals_the_fp32_reference_forward_and_gradient():
         torch.testing.assert_close(got, want, rtol=3e-2, atol=3e-2 * want.abs().max().item())
 
 
+@pytest.mark.compile
 @needs_cuda
 @pytest.mark.parametrize("router", ["topk", "seqtopk"])
 def test_cuda_bf16_training_step_compiles_to_one_graph_and_never_syncs(router):
@@ -361,6 +363,7 @@ def test_cuda_bf16_training_step_compiles_to_one_graph_and_never_syncs(router):
             torch.cuda.set_sync_debug_mode(0)
 
 
+@pytest.mark.compile
 def test_a_compiled_mrltopk_forward_routes_each_layer_with_the_k_the_script_drew():
     # the k's are drawn outside the model (train.py: router.step_ks per step), compiled or not
     torch._dynamo.reset()
@@ -377,6 +380,7 @@ def test_a_compiled_mrltopk_forward_routes_each_layer_with_the_k_the_script_drew
     assert set(ks) <= {2, 4, 8}
 
 
+@pytest.mark.compile
 @pytest.mark.parametrize("router", ROUTERS)
 def test_torch_compile_trains_with_every_router_like_the_plain_eager_model(router):
     torch.manual_seed(0)

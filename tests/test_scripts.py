@@ -678,6 +678,7 @@ def test_seq_causal_training_routes_by_the_online_rule_and_reports_the_causal_lo
     assert done['val_ce'] == done['val_ce_causal'] != done['val_ce_offline']
 
 
+@pytest.mark.compile
 def test_compiled_training_through_train_py_follows_the_eager_run(workdir):
     runs = {}
     for compile in (False, True):
@@ -732,6 +733,7 @@ def test_sample_routes_the_prompt_jointly_when_asked(workdir):
     assert spent['online'] != spent['joint']
 
 
+@pytest.mark.long
 def test_the_gpu_script_runs_every_part_on_the_cpu_with_tiny_sizes(prepared, tmp_path):
     shutil.copytree(prepared / 'data', tmp_path / 'data')  # it runs where data/ is
     # the parts' limits out of reach (x1000: hours), so that a busy machine cannot fail a part;
@@ -809,6 +811,9 @@ def test_ci_runs_the_readme_s_whole_suite_and_the_quick_command_names_the_model_
     files = [arg for arg in quick.split() if arg.endswith('.py')]
     assert files == ['test_router.py', 'tests/test_model.py', 'tests/test_decoding.py']
     assert quick.startswith(whole) and all(os.path.exists(os.path.join(REPO, f)) for f in files)
+    # the marker it leaves out is one pytest knows (.pytest.ini), so that it deselects
+    assert quick.endswith('-m "not compile"') and re.search(
+        r'^    compile: ', open(os.path.join(REPO, '.pytest.ini')).read(), re.M)
 
 
 def test_bench_times_the_routing_alone(tmp_path):

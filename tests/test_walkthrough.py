@@ -77,6 +77,7 @@ def assert_near(ran, committed, where):
             assert abs(got - want) <= tolerance, (where, before[-60:], got, want)
 
 
+@pytest.mark.long
 def test_the_walkthrough_runs_top_to_bottom_and_shows_what_its_committed_copy_shows(
         tmp_path, monkeypatch, capsys):
     monkeypatch.setenv('WALKTHROUGH_OUT', str(tmp_path / 'out'))  # its two short trainings
