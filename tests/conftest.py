@@ -25,6 +25,9 @@ OFFLINE_ENV = dict(os.environ, HF_DATASETS_OFFLINE='1', HF_HUB_OFFLINE='1', PYTH
 # and in the tests' own process (-n auto: a process per core): on a busy machine, two threads that
 # wait for each other at every op made a test of a second take ten minutes
 torch.set_num_threads(1)
+# seconds: the limit on a script's run or a wait, which only a hang reaches (the longest, a sweep of
+# 16 tiny runs, takes about a minute, and five on a machine loaded ten times over)
+HANG = 900
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
@@ -94,7 +97,7 @@ def train_step(model, x, y, moe_ks=None):
 
 def run(script, *args, cwd, env=OFFLINE_ENV):
     return subprocess.run([sys.executable, os.path.join(REPO, script), *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=HANG)
 
 
 def one_error_line(result):

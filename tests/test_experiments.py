@@ -10,7 +10,7 @@ import re
 import pytest
 
 # the scripts as subprocesses, offline, one thread (or in this process, up to their exit)
-from conftest import REPO, TINY, exit_message, one_error_line, run
+from conftest import HANG, REPO, TINY, exit_message, one_error_line, run
 
 
 # -----------------------------------------------------------------------------
@@ -413,7 +413,7 @@ def sweep_in_training(workdir, out_dir, seeds, *extra):
                              cwd=workdir, env=OFFLINE_ENV, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True)
     log = workdir / out_dir / 'topk-k2-s1' / 'log.jsonl'
-    deadline = time.time() + 120
+    deadline = time.time() + HANG
     while not (log.exists() and '"event": "train"' in log.read_text()) and time.time() < deadline:
         time.sleep(0.1)
     return sweep, args, log
@@ -423,7 +423,7 @@ def test_an_interrupted_sweep_stops_its_runs_and_the_same_command_resumes_them(w
     import signal
     sweep, args, log = sweep_in_training(workdir, 'stopped', '1,2', '--jobs=1')
     sweep.send_signal(signal.SIGTERM)
-    out, err = sweep.communicate(timeout=120)
+    out, err = sweep.communicate(timeout=HANG)
     assert sweep.returncode != 0 and 'Traceback' not in err, err
     assert err.strip().splitlines()[-1].startswith(
         'SIGTERM: stopped the sweep with 0 of 2 runs finished')
@@ -499,14 +499,14 @@ def test_a_second_sweep_into_a_live_sweep_s_out_dir_is_refused_and_the_first_fin
     first = subprocess.Popen([sys.executable, os.path.join(REPO, 'experiments', 'sweep.py'), *args],
                              cwd=workdir, env=OFFLINE_ENV, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 120
+    deadline = time.time() + HANG
     lock = workdir / 'locked' / 'sweep.lock'
     while not (lock.exists() and lock.read_text()) and time.time() < deadline:
         time.sleep(0.1)
     line = one_error_line(run('experiments/sweep.py', *args, cwd=workdir))
     assert line.startswith(
         f"error: --out_dir=locked is in use by a live sweep (pid {first.pid} on host ")
-    out, err = first.communicate(timeout=300)
+    out, err = first.communicate(timeout=HANG)
     assert first.returncode == 0, err
     assert ('wrote locked/sweep.json' in out
             and len(json.load(open(workdir / 'locked' / 'sweep.json'))['runs']) == 2)
@@ -603,7 +603,7 @@ def test_a_sweep_run_that_exits_without_finishing_is_reported_failed_in_one_line
     children = [int(p.split('/')[2]) for p in glob.glob('/proc/[0-9]*/stat')
                 if open(p).read().rsplit(')', 1)[1].split()[1] == str(sweep.pid)]
     os.kill(children[0], signal.SIGTERM)  # its train.py stops, saved, and exits 0: not finished
-    out, err = sweep.communicate(timeout=120)
+    out, err = sweep.communicate(timeout=HANG)
     assert sweep.returncode != 0 and 'Traceback' not in err, err
     assert err.strip().splitlines()[-1] == (
         "error: the run in unfinished/topk-k2-s1 exited without finishing (its log has no done "

@@ -13,7 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import fast
 import sample
 from cache import Cache
-from conftest import counting_batches, needs_cuda, tiny_config, train_step, trained_tiny
+from conftest import HANG, counting_batches, needs_cuda, tiny_config, train_step, trained_tiny
 from fast import moe_sorted
 from model import GPT, moe_loop, rotate
 from router import ROUTERS, step_ks, topk_mask
@@ -193,7 +193,7 @@ def test_the_model_s_files_import_neither_the_fast_paths_nor_the_scripts_tools()
              "'checkpoint', 'stats') if m in sys.modules)); import fast, prepare, sample, bench; "
              "print('torch.utils.cpp_extension' in sys.modules)")
     result = subprocess.run([sys.executable, '-c', probe], cwd=REPO, capture_output=True, text=True,
-                            timeout=120)
+                            timeout=HANG)
     assert result.stdout.split('\n')[:2] == ['[]', 'False'], result.stderr
 
 

@@ -15,7 +15,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import (OFFLINE_ENV, REPO, TINY, exit_message, one_error_line, run,
+from conftest import (HANG, OFFLINE_ENV, REPO, TINY, exit_message, one_error_line, run,
                       tiny_config)
 
 
@@ -251,7 +251,7 @@ print(json.dumps(out))
 """
     env = dict(OFFLINE_ENV, HF_DATASETS_CACHE=str(tmp_path / 'cache'), HF_HOME=str(tmp_path / 'hf'))
     result = subprocess.run([sys.executable, '-c', script], cwd=tmp_path, env=env,
-                            capture_output=True, text=True, timeout=300)
+                            capture_output=True, text=True, timeout=HANG)
     assert result.returncode == 0, result.stderr
     rows = [f'line {i} of text' for i in range(40)]
     for path, texts in json.loads(result.stdout.splitlines()[-1]).items():
@@ -313,7 +313,7 @@ def test_without_the_offline_flags_an_unreachable_hub_is_probed_once_and_fails_a
     env.update(HF_HOME=str(tmp_path / 'hf'), HF_DATASETS_CACHE=str(tmp_path / 'cache'))
     result = subprocess.run([sys.executable, '-c', driver, os.path.join(REPO, 'prepare.py'),
                              '--source=roneneldan/TinyStories'], cwd=tmp_path, env=env,
-                            capture_output=True, text=True, timeout=300)
+                            capture_output=True, text=True, timeout=HANG)
     assert (tmp_path / 'probes').read_text() == 'huggingface.co:443\n'
     assert 'the hub is not reachable' in one_error_line(result)
 
@@ -544,7 +544,7 @@ def test_ddp_on_two_cpu_processes_matches_one_process_with_the_same_global_batch
     ddp = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--standalone',
                           '--nproc_per_node=2', os.path.join(REPO, 'train.py'), *common,
                           f'--out_dir=ddp-{tag}'],
-                         cwd=workdir, env=OFFLINE_ENV, capture_output=True, text=True, timeout=300)
+                         cwd=workdir, env=OFFLINE_ENV, capture_output=True, text=True, timeout=HANG)
     assert ddp.returncode == 0, ddp.stderr
     assert '2 processes' in ddp.stdout
     a, b = (logged(workdir / d, 'eval')[-1] for d in (f'single-{tag}', f'ddp-{tag}'))
@@ -700,7 +700,7 @@ def test_moe_impl_loop_through_the_settings_runs_the_experts_without_the_grouped
               '--out_dir=impl']
     results = {impl: subprocess.run([sys.executable, '-c', driver, *common, f'--moe_impl={impl}'],
                                     cwd=workdir, env=OFFLINE_ENV, capture_output=True, text=True,
-                                    timeout=300)
+                                    timeout=HANG)
                for impl in ('grouped', 'loop')}
     assert results['loop'].returncode == 0, results['loop'].stderr
     assert 'the grouped kernel ran' in results['grouped'].stderr
@@ -740,7 +740,7 @@ def test_the_gpu_script_runs_every_part_on_the_cpu_with_tiny_sizes(prepared, tmp
     # the limits themselves are tested with commands that sleep (the next test)
     result = subprocess.run(['bash', os.path.join(REPO, 'experiments', 'gpu.sh'), 'gpu', '--cpu'],
                             cwd=tmp_path, env=dict(OFFLINE_ENV, GPU_SH_SCALE='1000'),
-                            capture_output=True, text=True, timeout=1800)  # a hang, not a clock
+                            capture_output=True, text=True, timeout=4 * HANG)  # a hang
     assert result.returncode == 0 and 'total: ' in result.stdout, result.stderr
     out = tmp_path / 'gpu'
     summary = (out / 'summary.txt').read_text()
@@ -774,7 +774,7 @@ part slow 1 sleep 600
 part deaf 1 bash -c 'trap "" TERM; sleep 600'
 """  # deaf: SIGTERM ignored (by sleep too, which inherits that), as a stuck compile
     result = subprocess.run(['bash', '-c', driver, 'bash', str(tmp_path)], capture_output=True,
-                            text=True, timeout=300)
+                            text=True, timeout=HANG)
     assert result.returncode == 0, result.stderr
     quick, slow, deaf = (re.fullmatch(r'(\w+): exit (\d+) after (\d+) s \(limit (\d+) s\)', line)
                          for line in (tmp_path / 'summary.txt').read_text().splitlines())
@@ -866,7 +866,7 @@ def test_no_script_turns_tf32_on_so_the_routers_fp32_logits_stay_fp32(workdir):
                          ('bench.py', ['--what=route', '--repeats=1'])):
         result = subprocess.run([sys.executable, '-c', driver, os.path.join(REPO, script), *args],
                                 cwd=workdir, env=OFFLINE_ENV, capture_output=True, text=True,
-                                timeout=300)
+                                timeout=HANG)
         assert result.stdout.strip().splitlines()[-1] == 'tf32 False highest', result.stderr
 
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 from nbclient import NotebookClient
 
-from conftest import REPO
+from conftest import HANG, REPO
 
 NOTEBOOK = os.path.join(REPO, 'walkthrough.ipynb')
 NUMBER = re.compile(r'\d+(?:\.\d+)?')
@@ -86,7 +86,7 @@ def test_the_walkthrough_runs_top_to_bottom_and_shows_what_its_committed_copy_sh
     committed = nbformat.read(NOTEBOOK, as_version=4)
     nb = nbformat.read(NOTEBOOK, as_version=4)
     start = time.time()
-    NotebookClient(nb, timeout=1800, kernel_name='python3',  # a cell that hangs, not a clock
+    NotebookClient(nb, timeout=4 * HANG, kernel_name='python3',  # a hang, not a clock
                    resources={'metadata': {'path': REPO}}).execute()  # a cell that errors raises
     trained = False  # from the cell that runs train.py on
     for ran, before in zip(nb.cells, committed.cells):
