@@ -33,7 +33,7 @@ mkdir -p "$out"
 export TORCHINDUCTOR_CACHE_DIR=$(mktemp -d)
 if [ -d wheels ]; then pip install -q --no-index wheels/*.whl > "$out/wheels.log" 2>&1; fi
 : > "$out/summary.txt"
-scale=1     # the parts' limits x scale
+scale=${GPU_SH_SCALE:-1}  # the parts' limits x scale (a test sets GPU_SH_SCALE)
 if [ "${2:-}" = --cpu ]; then
   device=(--device=cpu --dtype=float32)
   sizes=(--sizes=tiny --train_steps=2 --repeats=1 --moe_tokens=256 --moe_embd=64 --moe_exp_dim=32
@@ -45,7 +45,7 @@ if [ "${2:-}" = --cpu ]; then
   sweep=(--max_iters=4 "--train_args=$root/config/tiny.py --dataset=shakespeare
     --eval_interval=4 --eval_iters=1")
   decode=()
-  scale=8  # cold compiles on a laptop's cores, not a GPU's seconds
+  scale=${GPU_SH_SCALE:-8}  # cold compiles on a laptop's cores, not a GPU's seconds
 else
   device=(--device=cuda --dtype=bfloat16)
   sizes=(--sizes=default)

@@ -1,7 +1,8 @@
 """
 What the tests share: a tiny model and a learnable toy language to train it on, the scripts run as
-subprocesses (offline, one thread), and the built-in data prepared once per test session.
-Run: python -m pytest -q
+subprocesses (offline, one thread), and the built-in data prepared and a tiny run trained once per
+test session, shared by pytest-xdist's workers.
+Run: python -m pytest -q -n auto
 """
 import os
 import runpy
@@ -11,6 +12,7 @@ import sys
 
 import pytest
 import torch
+from filelock import FileLock
 
 from model import GPT, GPTConfig
 from router import step_ks
@@ -20,7 +22,19 @@ TINY = os.path.join(REPO, 'config', 'tiny.py')
 # one thread: these tiny runs do not gain from more, and stay fast on a busy machine
 OFFLINE_ENV = dict(os.environ, HF_DATASETS_OFFLINE='1', HF_HUB_OFFLINE='1', PYTHONUNBUFFERED='1',
                    OMP_NUM_THREADS='1')
+# and in the tests' own process (-n auto: a process per core): on a busy machine, two threads that
+# wait for each other at every op made a test of a second take ten minutes
+torch.set_num_threads(1)
+# seconds: the limit on a script's run or a wait, which only a hang reaches (the longest, a sweep of
+# 16 tiny runs, takes about a minute, and five on a machine loaded ten times over)
+HANG = 900
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def pytest_collection_modifyitems(items):
+    """The tests marked long first: with -n auto a worker starts each while the others work
+    through the short ones, instead of running it alone at the end."""
+    items.sort(key=lambda item: item.get_closest_marker('long') is None)
 
 
 # -----------------------------------------------------------------------------
@@ -83,7 +97,7 @@ def train_step(model, x, y, moe_ks=None):
 
 def run(script, *args, cwd, env=OFFLINE_ENV):
     return subprocess.run([sys.executable, os.path.join(REPO, script), *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=HANG)
 
 
 def one_error_line(result):
@@ -102,22 +116,48 @@ def exit_message(script, args, monkeypatch):
     return str(stopped.value.code)
 
 
+def made_once(tmp_path_factory, name, make):
+    """A folder made by make(path) once for the whole session: the first pytest-xdist worker to
+    ask makes it, the others wait for it and share it (they only read it)."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get('PYTEST_XDIST_WORKER'):
+        root = root.parent  # the session's folder, above each worker's own
+    path = root / name
+    with FileLock(str(root / f'{name}.lock')):
+        if not (root / f'{name}.made').exists():
+            shutil.rmtree(path, ignore_errors=True)  # what a worker that failed left
+            path.mkdir()
+            make(path)
+            (root / f'{name}.made').touch()
+    return path
+
+
 @pytest.fixture(scope='session')
 def prepared(tmp_path_factory):
     """A folder whose data/ holds the built-in dataset (characters), prepared once for the whole
     session."""
-    path = tmp_path_factory.mktemp('prepared')
-    result = run('prepare.py', cwd=path)
-    assert result.returncode == 0, result.stderr
-    return path
+    def prepare(path):
+        result = run('prepare.py', cwd=path)
+        assert result.returncode == 0, result.stderr
+    return made_once(tmp_path_factory, 'prepared', prepare)
+
+
+@pytest.fixture(scope='session')
+def trained(prepared, tmp_path_factory):
+    """A folder with the built-in data and one finished 10-step run in run/ (ckpt.pt at step 10),
+    trained once for the whole session."""
+    def train(path):
+        shutil.copytree(prepared / 'data', path / 'data')
+        result = run('train.py', TINY, '--max_iters=10', '--out_dir=run', cwd=path)
+        assert result.returncode == 0, result.stderr
+    return made_once(tmp_path_factory, 'trained', train)
 
 
 @pytest.fixture(scope='module')
-def workdir(prepared, tmp_path_factory):
-    """A folder of the module's own with the built-in data and one finished 10-step run in run/
-    (ckpt.pt at step 10)."""
+def workdir(trained, tmp_path_factory):
+    """A folder of the module's own with the built-in data and a copy of the session's finished
+    10-step run in run/ (ckpt.pt at step 10)."""
     path = tmp_path_factory.mktemp('work')
-    shutil.copytree(prepared / 'data', path / 'data')
-    result = run('train.py', TINY, '--max_iters=10', '--out_dir=run', cwd=path)
-    assert result.returncode == 0, result.stderr
+    for folder in ('data', 'run'):
+        shutil.copytree(trained / folder, path / folder)
     return path

@@ -208,6 +208,7 @@ def expert_counts(routing, into):
 @pytest.mark.parametrize("router,kw", [("topk", {}), ("seqtopk", {}),
                                        ("seqtopk", {'seq_budget': 'strict'}), ("batchtopk", {}),
                                        ("relu", {}), ("windowtopk", {})])
+@pytest.mark.compile
 def test_compiled_decoding_gives_exactly_the_eager_tokens_and_expert_counts(router, kw):
     torch._dynamo.reset()
     model = trained_tiny(router, **kw)
@@ -226,6 +227,7 @@ def test_compiled_decoding_gives_exactly_the_eager_tokens_and_expert_counts(rout
                                               for a, b in zip(compiled_counts, eager_counts))
 
 
+@pytest.mark.compile
 @pytest.mark.parametrize("router", ["topk", "seqtopk"])
 def test_a_decoding_step_compiles_to_one_graph_with_no_break(router):
     torch._dynamo.reset()
@@ -243,6 +245,7 @@ def test_a_decoding_step_compiles_to_one_graph_with_no_break(router):
             and explanation.graph_count == 1), explanation.break_reasons
 
 
+@pytest.mark.compile
 @pytest.mark.parametrize("router", ["topk", "seqtopk"])
 def test_a_compiled_decoding_step_compiles_once_for_the_whole_generation(router):
     torch._dynamo.reset()
@@ -256,6 +259,7 @@ def test_a_compiled_decoding_step_compiles_once_for_the_whole_generation(router)
             generate(model, prompt, 34, temperature=0, decode=step, cache=cache)
 
 
+@pytest.mark.compile
 def test_compiling_the_decoding_step_leaves_the_model_as_it_was():
     torch._dynamo.reset()
     model = trained_tiny('seqtopk')
@@ -270,6 +274,7 @@ def test_compiling_the_decoding_step_leaves_the_model_as_it_was():
     assert torch.equal(generate(model, prompt, 10, temperature=0), compiled)
 
 
+@pytest.mark.compile
 @needs_cuda
 @pytest.mark.parametrize("router", ["topk", "seqtopk"])
 def test_cuda_a_compiled_decoding_step_never_waits_on_the_host(router):

@@ -13,7 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import fast
 import sample
 from cache import Cache
-from conftest import counting_batches, needs_cuda, tiny_config, train_step, trained_tiny
+from conftest import HANG, counting_batches, needs_cuda, tiny_config, train_step, trained_tiny
 from fast import moe_sorted
 from model import GPT, moe_loop, rotate
 from router import ROUTERS, step_ks, topk_mask
@@ -219,7 +219,7 @@ def test_the_model_s_files_import_neither_the_fast_paths_nor_the_scripts_tools()
              "'checkpoint', 'stats') if m in sys.modules)); import fast, prepare, sample, bench; "
              "print('torch.utils.cpp_extension' in sys.modules)")
     result = subprocess.run([sys.executable, '-c', probe], cwd=REPO, capture_output=True, text=True,
-                            timeout=120)
+                            timeout=HANG)
     assert result.stdout.split('\n')[:2] == ['[]', 'False'], result.stderr
 
 
@@ -329,6 +329,7 @@ def test_an_expert_without_tokens_gets_a_zero_weight_gradient_whatever_the_kerne
     assert (got[1] == 0).all() and (got[3] == 0).all() and (want[1] == 0).all()
 
 
+@pytest.mark.compile
 @pytest.mark.parametrize("router", ["topk", "seqtopk"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_training_forward_compiles_to_one_graph_with_no_break(router, dtype):
@@ -371,6 +372,7 @@ def test_a_training_step_runs_as_cuda_graphs_only_where_its_shapes_are_static(ro
     assert fast.static_step(GPT(tiny_config(router, **kw))) == static
 
 
+@pytest.mark.compile
 @needs_cuda
 @pytest.mark.parametrize("router", ["topk", "seqtopk"])
 def test_cuda_a_training_step_as_cuda_graphs_trains_as_the_eager_one(router):
@@ -396,6 +398,7 @@ def test_cuda_a_training_step_as_cuda_graphs_trains_as_the_eager_one(router):
     torch.testing.assert_close(losses['graphs'], losses['eager'], rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.compile
 @needs_cuda
 @pytest.mark.parametrize("router", ["topk", "seqtopk"])
 def test_cuda_bf16_training_step_compiles_to_one_graph_and_never_syncs(router):
@@ -422,6 +425,7 @@ def test_cuda_bf16_training_step_compiles_to_one_graph_and_never_syncs(router):
             torch.cuda.set_sync_debug_mode(0)
 
 
+@pytest.mark.compile
 def test_a_compiled_mrltopk_forward_routes_each_layer_with_the_k_the_script_drew():
     # the k's are drawn outside the model (train.py: router.step_ks per step), compiled or not
     torch._dynamo.reset()
@@ -438,6 +442,7 @@ def test_a_compiled_mrltopk_forward_routes_each_layer_with_the_k_the_script_drew
     assert set(ks) <= {2, 4, 8}
 
 
+@pytest.mark.compile
 @pytest.mark.parametrize("router", ROUTERS)
 def test_torch_compile_trains_with_every_router_like_the_plain_eager_model(router):
     torch.manual_seed(0)

@@ -15,7 +15,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import (OFFLINE_ENV, REPO, TINY, exit_message, one_error_line, run,
+from conftest import (HANG, OFFLINE_ENV, REPO, TINY, exit_message, one_error_line, run,
                       tiny_config)
 
 
@@ -252,7 +252,7 @@ print(json.dumps(out))
 """
     env = dict(OFFLINE_ENV, HF_DATASETS_CACHE=str(tmp_path / 'cache'), HF_HOME=str(tmp_path / 'hf'))
     result = subprocess.run([sys.executable, '-c', script], cwd=tmp_path, env=env,
-                            capture_output=True, text=True, timeout=300)
+                            capture_output=True, text=True, timeout=HANG)
     assert result.returncode == 0, result.stderr
     rows = [f'line {i} of text' for i in range(40)]
     for path, texts in json.loads(result.stdout.splitlines()[-1]).items():
@@ -314,7 +314,7 @@ def test_without_the_offline_flags_an_unreachable_hub_is_probed_once_and_fails_a
     env.update(HF_HOME=str(tmp_path / 'hf'), HF_DATASETS_CACHE=str(tmp_path / 'cache'))
     result = subprocess.run([sys.executable, '-c', driver, os.path.join(REPO, 'prepare.py'),
                              '--source=roneneldan/TinyStories'], cwd=tmp_path, env=env,
-                            capture_output=True, text=True, timeout=300)
+                            capture_output=True, text=True, timeout=HANG)
     assert (tmp_path / 'probes').read_text() == 'huggingface.co:443\n'
     assert 'the hub is not reachable' in one_error_line(result)
 
@@ -545,7 +545,7 @@ def test_ddp_on_two_cpu_processes_matches_one_process_with_the_same_global_batch
     ddp = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--standalone',
                           '--nproc_per_node=2', os.path.join(REPO, 'train.py'), *common,
                           f'--out_dir=ddp-{tag}'],
-                         cwd=workdir, env=OFFLINE_ENV, capture_output=True, text=True, timeout=300)
+                         cwd=workdir, env=OFFLINE_ENV, capture_output=True, text=True, timeout=HANG)
     assert ddp.returncode == 0, ddp.stderr
     assert '2 processes' in ddp.stdout
     a, b = (logged(workdir / d, 'eval')[-1] for d in (f'single-{tag}', f'ddp-{tag}'))
@@ -679,6 +679,7 @@ def test_seq_causal_training_routes_by_the_online_rule_and_reports_the_causal_lo
     assert done['val_ce'] == done['val_ce_causal'] != done['val_ce_offline']
 
 
+@pytest.mark.compile
 def test_compiled_training_through_train_py_follows_the_eager_run(workdir):
     runs = {}
     for compile in (False, True):
@@ -700,7 +701,7 @@ def test_moe_impl_loop_through_the_settings_runs_the_experts_without_the_grouped
               '--out_dir=impl']
     results = {impl: subprocess.run([sys.executable, '-c', driver, *common, f'--moe_impl={impl}'],
                                     cwd=workdir, env=OFFLINE_ENV, capture_output=True, text=True,
-                                    timeout=300)
+                                    timeout=HANG)
                for impl in ('grouped', 'loop')}
     assert results['loop'].returncode == 0, results['loop'].stderr
     assert 'the grouped kernel ran' in results['grouped'].stderr
@@ -733,11 +734,14 @@ def test_sample_routes_the_prompt_jointly_when_asked(workdir):
     assert spent['online'] != spent['joint']
 
 
+@pytest.mark.long
 def test_the_gpu_script_runs_every_part_on_the_cpu_with_tiny_sizes(prepared, tmp_path):
     shutil.copytree(prepared / 'data', tmp_path / 'data')  # it runs where data/ is
+    # the parts' limits out of reach (x1000: hours), so that a busy machine cannot fail a part;
+    # the limits themselves are tested with commands that sleep (the next test)
     result = subprocess.run(['bash', os.path.join(REPO, 'experiments', 'gpu.sh'), 'gpu', '--cpu'],
-                            cwd=tmp_path, env=OFFLINE_ENV, capture_output=True, text=True,
-                            timeout=900)
+                            cwd=tmp_path, env=dict(OFFLINE_ENV, GPU_SH_SCALE='1000'),
+                            capture_output=True, text=True, timeout=4 * HANG)  # a hang
     assert result.returncode == 0 and 'total: ' in result.stdout, result.stderr
     out = tmp_path / 'gpu'
     summary = (out / 'summary.txt').read_text()
@@ -745,6 +749,10 @@ def test_the_gpu_script_runs_every_part_on_the_cpu_with_tiny_sizes(prepared, tmp
                  'tests', 'train', 'sweep'):
         log = (out / f'{part}.log').read_text()
         assert f'{part}: exit 0 ' in summary, summary + log[-2000:]
+    script = open(os.path.join(REPO, 'experiments', 'gpu.sh')).read()
+    limit = int(re.search(r'^part bench-moe (\d+) ', script, re.M).group(1)) * 1000
+    assert re.search(rf'^bench-moe: exit 0 after \d+ s \(limit {limit} s\)$', summary,
+                     re.M), summary
     train = json.loads((out / 'gpu-train' / 'bench.json').read_text())['train']
     assert [r['router'] for r in train] == ['dense', 'topk', 'seqtopk']  # eager here
     moe = json.loads((out / 'gpu-moe' / 'bench.json').read_text())['moe']
@@ -756,6 +764,30 @@ def test_the_gpu_script_runs_every_part_on_the_cpu_with_tiny_sizes(prepared, tmp
     row = next(r for r in rows if r['router'] == 'seqtopk')
     assert row['K'] == 2 and row['diff_n'] == 5 and row['diff_low'] is not None  # paired, 5 seeds
     assert 'Δ vs topk (causal)' in (out / 'sweep.log').read_text()
+
+
+def test_a_gpu_script_part_is_stopped_at_its_limit_and_killed_10_s_later_if_it_ignores_that(
+        tmp_path):
+    # gpu.sh's own part(), driven by commands that sleep: the limit logic without real work racing
+    # a clock (a busy machine only makes the parts that stop late later, never sooner)
+    script = open(os.path.join(REPO, 'experiments', 'gpu.sh')).read()
+    part = re.search(r'^part\(\) \{.*?^\}$', script, re.M | re.S).group(0)
+    driver = part + """
+out=$1 scale=3
+part quick 20 true
+scale=1
+part slow 1 sleep 600
+part deaf 1 bash -c 'trap "" TERM; sleep 600'
+"""  # deaf: SIGTERM ignored (by sleep too, which inherits that), as a stuck compile
+    result = subprocess.run(['bash', '-c', driver, 'bash', str(tmp_path)], capture_output=True,
+                            text=True, timeout=HANG)
+    assert result.returncode == 0, result.stderr
+    quick, slow, deaf = (re.fullmatch(r'(\w+): exit (\d+) after (\d+) s \(limit (\d+) s\)', line)
+                         for line in (tmp_path / 'summary.txt').read_text().splitlines())
+    assert quick.group(1, 2, 4) == ('quick', '0', '60')  # the limit x scale
+    assert slow.group(1, 2, 4) == ('slow', '124', '1') and int(slow.group(3)) >= 1  # timeout's
+    assert deaf.group(1, 2, 4) == ('deaf', '137', '1') and int(deaf.group(3)) >= 11  # SIGKILL
+    assert (tmp_path / 'summary.txt').read_text() == result.stdout  # the summary, also shown
 
 
 def test_the_gpu_script_runs_every_test_that_needs_a_gpu():
@@ -775,6 +807,19 @@ def test_the_gpu_script_runs_every_test_that_needs_a_gpu():
     assert len(needs_gpu) >= 5 and '-k cuda' in tests_line
     for path, test in needs_gpu:  # test_router.py at the root too
         assert 'cuda' in test and f'"$root/{path}"' in tests_line, (path, test)
+
+
+def test_ci_runs_the_readme_s_whole_suite_and_the_quick_command_names_the_model_s_tests():
+    block = open(os.path.join(REPO, 'README.md')).read().split('\n## Tests\n')[1].split('```')[1]
+    quick, whole = [line.split('  #')[0].strip() for line in block.splitlines()
+                    if line.startswith('python -m pytest')]
+    assert whole in open(os.path.join(REPO, '.ci', 'run')).read().splitlines()
+    files = [arg for arg in quick.split() if arg.endswith('.py')]
+    assert files == ['test_router.py', 'tests/test_model.py', 'tests/test_decoding.py']
+    assert quick.startswith(whole) and all(os.path.exists(os.path.join(REPO, f)) for f in files)
+    # the marker it leaves out is one pytest knows (.pytest.ini), so that it deselects
+    assert quick.endswith('-m "not compile"') and re.search(
+        r'^    compile: ', open(os.path.join(REPO, '.pytest.ini')).read(), re.M)
 
 
 def test_bench_times_the_routing_alone(tmp_path):
@@ -856,7 +901,7 @@ def test_no_script_turns_tf32_on_so_the_routers_fp32_logits_stay_fp32(workdir):
                          ('bench.py', ['--what=route', '--repeats=1'])):
         result = subprocess.run([sys.executable, '-c', driver, os.path.join(REPO, script), *args],
                                 cwd=workdir, env=OFFLINE_ENV, capture_output=True, text=True,
-                                timeout=300)
+                                timeout=HANG)
         assert result.stdout.strip().splitlines()[-1] == 'tf32 False highest', result.stderr
 
 
@@ -884,15 +929,18 @@ def test_the_generation_clock_waits_for_the_gpu_it_is_given(monkeypatch):
 
 def test_sample_s_tokens_per_second_count_the_generated_tokens_not_the_prompt(
         workdir, monkeypatch, capsys):
-    # the prompt's forward made a second slow: the clock, started after it, must not see it
+    # the prompt's forward made 1000 s slow on a clock of the test's own (a real sleep would race
+    # the decoding steps' real time): the clock, started after it, must not see it
     import runpy
     import time
     from model import GPT
-    forward = GPT.forward
+    forward, now = GPT.forward, [0.0]
+    for clock in ('time', 'perf_counter', 'monotonic'):  # whichever sample.py reads
+        monkeypatch.setattr(time, clock, lambda: now[0])
 
     def slow_prompt(self, idx, *args, **kwargs):
         if idx.shape[1] > 1:
-            time.sleep(1.0)
+            now[0] += 1000.0
         return forward(self, idx, *args, **kwargs)
     monkeypatch.setattr(GPT, 'forward', slow_prompt)
     monkeypatch.chdir(workdir)
