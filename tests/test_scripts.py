@@ -523,6 +523,57 @@ def test_the_log_shows_warmup_then_cosine_decay_to_min_lr_and_mrltopk_drawing_k_
     assert len({r['experts'] for r in train}) > 1
 
 
+def wandb_history(wandb_dir):
+    """The rows an offline wandb run logged, read back from its .wandb file: wandb's own protobuf
+    Records, in LevelDB's log framing (a 7-byte header, 32 KiB blocks of chunks, each with a
+    7-byte header: checksum, length, kind; kind 1 a whole record, 4 a record's last chunk)."""
+    import struct
+    from wandb.proto import wandb_internal_pb2
+    path, = glob.glob(os.path.join(wandb_dir, 'wandb', 'offline-run-*', '*.wandb'))
+    data, pos, chunks, rows = open(path, 'rb').read(), 7, b'', []
+    while pos + 7 <= len(data):
+        if (left := 32768 - pos % 32768) < 7:  # a block's zero padding
+            pos += left
+            continue
+        _, length, kind = struct.unpack('<IHB', data[pos:pos + 7])
+        chunks, pos = chunks + data[pos + 7:pos + 7 + length], pos + 7 + length
+        if kind in (1, 4):
+            record, chunks = wandb_internal_pb2.Record.FromString(chunks), b''
+            if record.HasField('history'):
+                row = {item.key or '/'.join(item.nested_key): json.loads(item.value_json)
+                       for item in record.history.item}
+                rows.append({k: v for k, v in row.items() if not k.startswith('_')})  # wandb's
+    return rows
+
+
+def test_wandb_logs_each_evaluation_s_record_as_the_log_holds_it_offline(workdir, tmp_path,
+                                                                         monkeypatch):
+    # nanoGPT's settings; each evaluation's losses (the causal one too) and per-layer routing,
+    # the very numbers log.jsonl holds
+    env = dict(OFFLINE_ENV, WANDB_MODE='offline', WANDB_DIR=str(tmp_path), WANDB_SILENT='true')
+    out = tmp_path / 'tracked'
+    result = run('train.py', TINY, '--router=seqtopk', '--max_iters=4', '--eval_interval=2',
+                 '--wandb_log=True', '--wandb_project=p', '--wandb_run_name=tracked',
+                 f'--out_dir={out}', cwd=workdir, env=env)
+    assert result.returncode == 0, result.stderr
+    rows, evals = wandb_history(tmp_path), logged(out, 'eval')
+    assert len(rows) == len(evals) == 3
+    for row, record in zip(rows, evals):
+        layers = record.pop('layers')
+        assert {k: v for k, v in row.items() if not k.startswith('layers/')} == record
+        assert {k: v for k, v in row.items() if k.startswith('layers/')} == {
+            f'layers/{i}/{k}': v for i, layer in enumerate(layers) for k, v in layer.items()}
+        assert {'val_ce', 'val_causal_ce', 'layers/1/experts_mean', 'layers/0/load_cv'} <= set(row)
+    # without wandb: not imported unless asked for, and asked for, one line that says to install it
+    (tmp_path / 'wandb.py').write_text('raise ImportError("imported")\n')
+    plain = run('train.py', TINY, '--max_iters=2', f'--out_dir={tmp_path}/plain', cwd=workdir,
+                env=dict(OFFLINE_ENV, PYTHONPATH=str(tmp_path)))
+    assert plain.returncode == 0, plain.stderr
+    monkeypatch.setitem(sys.modules, 'wandb', None)
+    assert exit_message('train.py', ['--wandb_log=True'], monkeypatch) == (
+        "error: --wandb_log=True must be False: wandb is not installed (pip install wandb)")
+
+
 # -----------------------------------------------------------------------------
 # scale: DDP, exact resume, atomic checkpoints
 
