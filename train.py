@@ -39,7 +39,7 @@ log_interval = 25
 always_save_checkpoint = False  # else only when val loss improves (and at the end)
 overwrite = False               # a new run may replace the run in out_dir (moved to replaced/)
 init_from = 'scratch'           # 'scratch', 'resume' (out_dir's run, its settings) or a ckpt.pt
-eval_only = False               # evaluate init_from's checkpoint once, on its run's val batches
+eval_only = False               # evaluate init_from's checkpoint (scratch: out_dir's run) once
 wandb_log = False               # log each evaluation to Weights & Biases (pip install wandb)
 wandb_project = 'seqmoe'
 wandb_run_name = ''             # '' = out_dir
@@ -98,6 +98,10 @@ rank, world_size = (int(os.environ['RANK']), int(os.environ['WORLD_SIZE'])) if d
 master_process = rank == 0
 run = ckpt.Run(out_dir, ddp, master_process, world_size, config)  # files; how it stops
 fail = run.fail
+if eval_only and init_from == 'scratch':  # an evaluation of the run in out_dir: its checkpoint
+    init_from = config['init_from'] = run.ckpt_path if os.path.isfile(run.ckpt_path) else fail(
+        f"--eval_only=True evaluates a checkpoint and {out_dir}/ holds none; give "
+        f"--init_from=PATH/ckpt.pt, or the --out_dir of a run")
 reads_only = eval_only and run.holds_run()  # an evaluation writes nothing into a run's folder
 if not reads_only and (problem := run.out_dir_problem()):
     fail(f"--out_dir={out_dir} {problem}")
