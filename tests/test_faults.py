@@ -393,7 +393,8 @@ def test_a_damaged_data_folder_is_one_line_naming_the_file_and_the_command_that_
         'foreign_meta': (lambda d: (d / 'meta.json').write_text('{"vocab_size": 65}'),  # not ours
                          'meta.json is not a meta.json written by prepare.py'),
         'short': (lambda d: os.truncate(d / 'val.bin', 64),  # a context, but not its targets
-                  'val.bin has 32 tokens, too few for block_size=32'),
+                  'val.bin has 32 tokens, too few for block_size=32; use a smaller --block_size, '
+                  'or more text, or a larger --val_fraction in prepare.py'),
     }
     for name, (damage, message) in cases.items():
         folder = tmp_path / 'data' / name

@@ -219,7 +219,7 @@ def test_prepare_reads_a_local_jsonl_dataset_offline_and_the_ids_decode_back(tmp
     from prepare import gpt2_encoding
     enc = gpt2_encoding()
     meta = json.load(open(tmp_path / 'data' / 'stories' / 'meta.json'))
-    assert meta == dict(tokenizer='gpt2', vocab_size=50257)
+    assert meta == dict(tokenizer='gpt2', vocab_size=50257, source=str(tmp_path / 'stories.jsonl'))
     decoded = {}
     for split in ('train', 'val'):
         ids = np.fromfile(tmp_path / 'data' / 'stories' / f'{split}.bin', dtype=np.uint16).tolist()
@@ -359,6 +359,38 @@ def test_text_prepare_cannot_store_is_one_line_not_a_traceback(tmp_path, monkeyp
     assert not os.path.exists('data') or not any(files for _, _, files in os.walk('data'))
 
 
+def test_a_small_source_is_refused_naming_val_fraction_and_no_other_dataset_is_replaced(
+        tmp_path, monkeypatch):
+    import prepare
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv('HF_DATASETS_CACHE', str(tmp_path / 'cache'))
+    (tmp_path / 'stories.jsonl').write_text(''.join(
+        json.dumps({'text': f'story {i}: once upon a time'}) + '\n' for i in range(400)))
+    # 400 rows at the default --val_fraction 0.0005: one row, too few tokens for train.py's default
+    # context, whose error named --block_size
+    line = exit_message('prepare.py', ['--source=stories.jsonl', '--num_proc=1'], monkeypatch)
+    assert re.fullmatch(r"error: the val split holds \d+ tokens, too few for train.py's default "
+                        r"--block_size=128; give a larger --val_fraction \(now 0.0005\)", line)
+    assert not os.path.exists('data')
+    prepare.main(['--source=stories.jsonl', '--val_fraction=0.1', '--num_proc=1'])
+    folder = tmp_path / 'data' / 'stories'
+    made = {name: (folder / name).read_bytes() for name in os.listdir(folder)}
+    # another source, named alike, is refused before anything is read; the same one is remade
+    (tmp_path / 'stories.csv').write_text('text\n' + ''.join(f'tale {i} of a king and a fool\n'
+                                                             for i in range(400)))
+    line = exit_message('prepare.py', ['--source=stories.csv', '--val_fraction=0.1'], monkeypatch)
+    assert line == (f"error: data/stories/ holds another dataset ({tmp_path}/stories.jsonl, gpt2); "
+                    f"pass --overwrite to replace it, or give another --dataset")
+    assert {name: (folder / name).read_bytes() for name in os.listdir(folder)} == made
+    (tmp_path / 'notes.txt').write_text('to be, or not to be, that is the question\n' * 50)
+    line = exit_message('prepare.py', ['--text=notes.txt', '--dataset=stories'], monkeypatch)
+    assert line.startswith("error: data/stories/ holds another dataset")
+    prepare.main(['--source=stories.jsonl', '--val_fraction=0.1', '--num_proc=1'])
+    assert {name: (folder / name).read_bytes() for name in os.listdir(folder)} == made
+    prepare.main(['--source=stories.csv', '--val_fraction=0.1', '--num_proc=1', '--overwrite'])
+    assert json.loads((folder / 'meta.json').read_text())['source'] == str(tmp_path / 'stories.csv')
+
+
 def test_prepare_removes_an_old_meta_pkl_that_would_describe_other_data(tmp_path, monkeypatch):
     import prepare
     monkeypatch.chdir(tmp_path)
@@ -385,7 +417,7 @@ def test_preparing_again_killed_midway_leaves_a_folder_no_run_takes(tmp_path, mo
         return write_bin(path, ids)
     monkeypatch.setattr(prepare, 'write_bin', killed_at_val)
     with pytest.raises(KeyboardInterrupt):
-        prepare.main(['--text=new.txt', '--dataset=mix'])
+        prepare.main(['--text=new.txt', '--dataset=mix', '--overwrite'])
     with pytest.raises(ValueError, match=r'meta.json is missing; rebuild it with'):
         check_data(os.path.join('data', 'mix'), 8)
 
