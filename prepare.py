@@ -156,8 +156,8 @@ def write_bin(path, ids):
     return len(ids)
 
 
-def tokenize_split(dataset, enc, text_column, num_proc, split):
-    """A (possibly huge) split's rows as token ids, each ending in the end-of-text token."""
+def write_split(path, dataset, enc, text_column, num_proc):
+    """Tokenize a (possibly huge) split, then stream it into a uint16 memmap, with progress."""
     def tokenize(example):
         if not isinstance(text := example[text_column], str):
             raise ValueError(f"column '{text_column}' holds {text!r} where text is expected; "
@@ -165,14 +165,10 @@ def tokenize_split(dataset, enc, text_column, num_proc, split):
         ids = enc.encode_ordinary(text) + [enc.eot_token]
         return {'ids': ids, 'len': len(ids)}
     try:
-        return dataset.map(tokenize, remove_columns=dataset.column_names, num_proc=num_proc,
-                           desc=f"tokenizing {split}")
+        tokenized = dataset.map(tokenize, remove_columns=dataset.column_names, num_proc=num_proc,
+                                desc=f"tokenizing {os.path.basename(path)}")
     except ValueError as e:  # a row that is not text, found by tokenize (maybe in a worker)
         fail(e)
-
-
-def write_split(path, tokenized):
-    """Stream a tokenized split into a uint16 memmap, with progress."""
     total = int(np.sum(tokenized['len'], dtype=np.uint64))
     with written(path) as tmp:
         arr = np.memmap(tmp, dtype=np.uint16, mode='w+', shape=(total,))
@@ -221,15 +217,16 @@ def prepare(args):
         out = data_dir(args.dataset or name, source, 'gpt2', args.overwrite)
         splits = load_splits(args.source, args.text_column, args.val_fraction or 0.0005)
         enc, meta = gpt2_encoding(), dict(tokenizer='gpt2', vocab_size=50257, source=source)
-        splits = {split: tokenize_split(ds, enc, args.text_column, args.num_proc, split)
-                  for split, ds in splits.items()}
-        if (n_val := int(np.sum(splits['val']['len']))) <= GPTConfig.block_size + 1:  # train.py's
-            fail(f"the val split holds {n_val} tokens, too few for train.py's default --block_size="
+        val = splits['val'][:1000][args.text_column]  # enough to tell: each row ends in a token
+        n = sum(len(enc.encode_ordinary(t)) + 1 if isinstance(t, str) else np.inf for t in val)
+        if n <= GPTConfig.block_size + 1:  # train.py's default context and its targets
+            fail(f"the val split holds {n} tokens, too few for train.py's default --block_size="
                  f"{GPTConfig.block_size}; give a larger --val_fraction (now "
                  f"{args.val_fraction or 0.0005:g})")
         start_folder(out)
         for split, ds in splits.items():
-            n = write_split(os.path.join(out, f'{split}.bin'), ds)
+            n = write_split(os.path.join(out, f'{split}.bin'), ds, enc, args.text_column,
+                            args.num_proc)
             print(f"{split}.bin: {n:,} tokens")
     else:
         tokenizer = args.tokenizer or 'char'

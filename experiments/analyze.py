@@ -31,27 +31,22 @@ from configurator import fail, parse_args  # noqa: E402
 from sweep import IGNORED, recorded  # noqa: E402
 
 
-def runs_of(roots, router, k):
-    """{seed: the done record and folder} of router's training runs at K across sweep folders."""
+def runs_of(roots, router, k, like=None, compared=()):
+    """{seed: the done record and folder} of router's training runs at K across sweep folders;
+    each made as like[seed] was (like: such runs) but for what names them (router, K, a variant's
+    +settings), `compared` and where it ran, else one line naming the settings that differ."""
     folders = (f for root in roots for f in glob.glob(os.path.join(root, f'{router}-k{k}-s*')))
-    return {int(re.search(r'-s(\d+)$', folder).group(1)): dict(done, folder=folder)
+    runs = {int(re.search(r'-s(\d+)$', folder).group(1)): dict(done, folder=folder)
             for folder in folders if (done := last_done(folder))}
-
-
-def agreeing(*groups, compared=()):
-    """The groups of runs ({seed: run}), once each seed's runs differ only in what names them
-    (router, K, a variant's +settings), `compared` and where they ran; else one line naming it."""
-    for seed in sorted(set().union(*groups)):
-        first, *others = [group[seed] for group in groups if seed in group]
-        for other in others:
-            a, b = (recorded(run['folder'])['config'] or {} for run in (first, other))
-            free = {*IGNORED, *compared, 'router', 'top_k',
-                    *re.findall(r'\+(\w+)=', first['folder'] + other['folder'])}
-            if differ := sorted(k for k in (a.keys() | b.keys()) - free if a.get(k) != b.get(k)):
-                fail(f"{first['folder']} and {other['folder']} differ in " + ', '.join(
-                    f"--{k} ({a.get(k)!r}, {b.get(k)!r})" for k in differ) + " besides what is "
-                    "compared; give sweep folders whose runs differ only in that")
-    return groups
+    for seed in sorted(set(runs) & set(like or {})):
+        pair = like[seed]['folder'], runs[seed]['folder']
+        a, b = (recorded(folder)['config'] or {} for folder in pair)
+        free = {*IGNORED, *compared, 'router', 'top_k', *re.findall(r'\+(\w+)=', ''.join(pair))}
+        if differ := sorted(n for n in (a.keys() | b.keys()) - free if a.get(n) != b.get(n)):
+            fail(f"{pair[0]} and {pair[1]} differ in " + ', '.join(
+                f"--{n} ({a.get(n)!r}, {b.get(n)!r})" for n in differ) + " besides what is "
+                "compared; give sweep folders whose runs differ only in that")
+    return runs
 
 
 def val_ce(runs):
@@ -83,16 +78,13 @@ def equal_compute(roots, router, ks):
         spend = float(np.mean([r['experts_trained'] for r in runs.values()]))
         low = math.floor(spend)
         high = low if spend - low < 0.005 else math.ceil(spend)  # within 0.005 of K: no K+1 runs
-        seqtopk = runs_of(roots, 'seqtopk', k)
-        topk = {kk: runs_of(roots, 'topk', kk) for kk in {k, low, high}}
-        agreeing(runs, seqtopk, *topk.values())
-        topk = {kk: val_ce(topk_runs) for kk, topk_runs in topk.items()}
+        topk = {kk: val_ce(runs_of(roots, 'topk', kk, like=runs)) for kk in {k, low, high}}
         at_spend = {}
         for seed, run in runs.items():
             if seed in topk[low] and seed in topk[high]:
                 w = min(1.0, run['experts_trained'] - low) if high > low else 0.0
                 at_spend[seed] = (1 - w) * topk[low][seed] + w * topk[high][seed]
-        ce, seqtopk = val_ce(runs), val_ce(seqtopk)
+        ce, seqtopk = val_ce(runs), val_ce(runs_of(roots, 'seqtopk', k, like=runs))
         rows.append(dict(K=k, seeds=len(runs), spend_train=spend, between=(low, high),
                          spend_eval=float(np.mean([r['experts_mean'] for r in runs.values()])),
                          val_ce=mean_std(ce.values())[0], vs_topk=paired_difference(ce, topk[k]),
@@ -156,9 +148,9 @@ def relu_table(roots, ks):
     table = [[label] for label, _, _ in relu_parts(roots, ks[0])]
     for k in ks:
         for row, (_, a, b) in zip(table, relu_parts(roots, k)):
-            # the spend sweeps' topk follows relu's spend by its k_schedule
-            a, b = agreeing(runs_of(*a), runs_of(*b), compared=['k_schedule'] * (a[0] != b[0]))
-            a, b = val_ce(a), val_ce(b)
+            compared = ['k_schedule'] * (a[0] != b[0])  # a spend sweep's topk: relu's schedule
+            a = runs_of(*a)
+            a, b = val_ce(a), val_ce(runs_of(*b, like=a, compared=compared))
             row.append(format_difference(paired_difference(a, b)) if a and b else 'n/a')
     markdown(['contrast', *(f"K={k}" for k in ks)], table)
     print("\nrelu's routing at the end (val, per MoE layer): experts per token, tokens given none")
@@ -193,8 +185,8 @@ def routed_ways(roots, router, k, batches, data_dir):
     from model import GPT
     from sample import load_model
     ce, spend, gap = {way: {} for way in WAYS}, {way: [] for way in WAYS}, 0.0
-    runs, topk_runs = agreeing(runs_of(roots, router, k), runs_of(roots, 'topk', k))
-    topk_ce = {}
+    runs, topk_ce = runs_of(roots, router, k), {}
+    topk_runs = runs_of(roots, 'topk', k, like=runs)
     for seed, run in sorted(runs.items()):
         model, _ = load_model(run['folder'], 'cpu')
         as_topk = GPT(replace(model.config, router='topk')).eval()
@@ -283,7 +275,8 @@ def correlation(x, y):
 def chars(roots, k, batches, data_dir):
     """Per seed with both a seqtopk and a topk run at K: the class table and the slopes."""
     from sample import load_model
-    seq_runs, topk_runs = agreeing(runs_of(roots, 'seqtopk', k), runs_of(roots, 'topk', k))
+    seq_runs = runs_of(roots, 'seqtopk', k)
+    topk_runs = runs_of(roots, 'topk', k, like=seq_runs)
     deltas = (1, -1) if k > 1 else (1,)  # topk given one expert more (fewer) at a class
     results = []
     for seed in sorted(set(seq_runs) & set(topk_runs)):

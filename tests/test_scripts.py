@@ -348,7 +348,7 @@ def test_text_prepare_cannot_store_is_one_line_not_a_traceback(tmp_path, monkeyp
     many = ''.join(chr(c) for c in range(0x100, 0x100 + 2 ** 16 + 2050) if not 0xD800 <= c < 0xE000)
     (tmp_path / 'many.txt').write_text(many, encoding='utf-8')
     (tmp_path / 'one.jsonl').write_text(json.dumps({'text': 'a single row'}) + '\n')
-    rows = [{'text': 'some text'}] * 20 + [{'text': None}]
+    rows = [{'text': 'some text ' * 100}] * 20 + [{'text': None}]  # val: long enough to train
     (tmp_path / 'null.jsonl').write_text(''.join(json.dumps(row) + '\n' for row in rows))
     for args, message in (
             (['--text=latin1.txt'], "--text file 'latin1.txt' is not UTF-8 text (byte 3"),
