@@ -184,9 +184,8 @@ def write_split(path, dataset, enc, text_column, num_proc):
 
 
 def data_dir(name, source, tokenizer, overwrite):
-    """data/<name>, for a plain folder name only: nothing is written outside data/, and a folder
-    holding a dataset from another source or tokenizer is replaced only with --overwrite (the
-    same one is remade)."""
+    """data/<name>, for a plain folder name only: nothing is written outside data/; one holding
+    data from another source or tokenizer is replaced only with --overwrite (the same is remade)."""
     if not re.fullmatch(r'\w[\w.-]*', name):
         fail(f"--dataset={name} must be a folder name (letters, digits, _ . -)")
     out, old = os.path.join('data', name), {}
@@ -276,8 +275,7 @@ def main(argv=None):
     parser.add_argument('--val_fraction', type=float,
                         help="held-out share (default 0.1 for text, 0.0005 for --source)")
     parser.add_argument('--num_proc', type=int, default=max(1, (os.cpu_count() or 2) // 2))
-    parser.add_argument('--overwrite', action='store_true',
-                        help="replace a data/<dataset> folder made from another source")
+    parser.add_argument('--overwrite', action='store_true', help="replace another source's data")
     args = parse_args(parser, argv)
     if args.text and args.source:
         fail("give --text or --source, not both")

@@ -394,7 +394,7 @@ def test_a_damaged_data_folder_is_one_line_naming_the_file_and_the_command_that_
                          'meta.json is not a meta.json written by prepare.py'),
         'short': (lambda d: os.truncate(d / 'val.bin', 64),  # a context, but not its targets
                   'val.bin has 32 tokens, too few for block_size=32; use a smaller --block_size, '
-                  'or more text, or a larger --val_fraction in prepare.py'),
+                  'or more text (or, for val.bin, a larger prepare.py --val_fraction)'),
     }
     for name, (damage, message) in cases.items():
         folder = tmp_path / 'data' / name
