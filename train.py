@@ -13,6 +13,7 @@ import os
 import sys
 import time
 from dataclasses import asdict, replace
+from importlib.util import find_spec
 
 import numpy as np
 import torch
@@ -38,7 +39,10 @@ log_interval = 25
 always_save_checkpoint = False  # else only when val loss improves (and at the end)
 overwrite = False               # a new run may replace the run in out_dir (moved to replaced/)
 init_from = 'scratch'           # 'scratch', 'resume' (out_dir's run, its settings) or a ckpt.pt
-eval_only = False               # evaluate init_from's checkpoint once, on its run's val batches
+eval_only = False               # evaluate init_from's checkpoint (scratch: out_dir's run) once
+wandb_log = False               # log each evaluation to Weights & Biases (pip install wandb)
+wandb_project = 'seqmoe'
+wandb_run_name = ''             # '' = out_dir
 # data
 dataset = ckpt.DEFAULT_DATASET  # a folder under data/ made by prepare.py
 batch_size = 16
@@ -72,7 +76,9 @@ RULES = dict(
     weight_decay=non_negative, beta1=fraction, beta2=fraction, grad_clip=non_negative,
     warmup_iters=non_negative_int, lr_decay_iters=non_negative_int, min_lr=non_negative,
     device=device_name, dtype=one_of('auto', 'float32', 'bfloat16', 'float16'),
-    moe_impl=one_of('grouped', 'loop'), seed=a_seed)
+    moe_impl=one_of('grouped', 'loop'), seed=a_seed,
+    wandb_log=Rule(lambda v: not v or find_spec('wandb'), 'False: wandb is not installed (pip '
+                   'install wandb)'))
 RELATIONS = [('min_lr', lambda c: c['min_lr'] <= c['learning_rate'],
               'at most --learning_rate={learning_rate}')]
 MODEL_RELATIONS = [  # checked on the model's settings as the run uses them (a checkpoint's, merged)
@@ -92,6 +98,10 @@ rank, world_size = (int(os.environ['RANK']), int(os.environ['WORLD_SIZE'])) if d
 master_process = rank == 0
 run = ckpt.Run(out_dir, ddp, master_process, world_size, config)  # files; how it stops
 fail = run.fail
+if eval_only and init_from == 'scratch':  # an evaluation of the run in out_dir: its checkpoint
+    init_from = config['init_from'] = run.ckpt_path if os.path.isfile(run.ckpt_path) else fail(
+        f"--eval_only=True evaluates a checkpoint and {out_dir}/ holds none; give "
+        f"--init_from=PATH/ckpt.pt, or the --out_dir of a run")
 reads_only = eval_only and run.holds_run()  # an evaluation writes nothing into a run's folder
 if not reads_only and (problem := run.out_dir_problem()):
     fail(f"--out_dir={out_dir} {problem}")
@@ -280,9 +290,14 @@ def evaluate_and_save():
     global best_val_loss, losses, layers
     losses, layers = estimate_loss()
     print(eval_line(iter_num, losses, layers, spend.per_token()))
-    run.log(dict(event='eval', iter=iter_num, lr=lr, time=time.time() - t_start, layers=layers,
-                 experts_trained=spend.per_token(),
-                 **{f'{split}_{k}': v for split, d in losses.items() for k, v in d.items()}))
+    record = dict(event='eval', iter=iter_num, lr=lr, time=time.time() - t_start, layers=layers,
+                  experts_trained=spend.per_token(),
+                  **{f'{split}_{k}': v for split, d in losses.items() for k, v in d.items()})
+    run.log(record)
+    if wandb_log:  # the record, each layer's statistics flattened: layers/0/load_cv, ...
+        wandb.log({k: v for k, v in record.items() if k != 'layers'} | {
+            f'layers/{i}/{k}': v for i, layer in enumerate(layers) for k, v in layer.items()},
+            step=iter_num)
     improved = losses['val']['ce'] < best_val_loss
     best_val_loss = min(best_val_loss, losses['val']['ce'])
     if iter_num > 0 and not eval_only and (
@@ -299,6 +314,9 @@ if init_from != 'resume' or eval_only:  # a new run, or an evaluation in a folde
                  run_id=run_id, from_run=from_run, code=code, params=raw_model.num_params(),
                  active_params=raw_model.num_params(active=True)))
     run.write_failed()
+if wandb_log and master_process:  # imported only when asked for, as in nanoGPT
+    import wandb
+    wandb.init(project=wandb_project, name=wandb_run_name or out_dir, config=config)
 run.listen(at_once=eval_only)  # an evaluation has nothing to save
 if eval_only and any(r.needs_calibration() for r in routers):
     # e.g. batchtopk on a checkpoint not trained with it: its threshold set from training batches

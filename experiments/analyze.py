@@ -28,18 +28,30 @@ from checkpoint import get_batch  # noqa: E402
 from compare import (format_difference, last_done, markdown, mean_std,  # noqa: E402
                      paired_difference, read_run)
 from configurator import fail, parse_args  # noqa: E402
+from sweep import IGNORED, recorded  # noqa: E402
 
 
-def runs_of(roots, router, k):
-    """{seed: the done record and folder} of router's training runs at K across sweep folders."""
+def runs_of(roots, router, k, like=None, compared=()):
+    """{seed: the done record and folder} of router's training runs at K across sweep folders;
+    each made as like[seed] was (like: such runs) but for what names them (router, K, a variant's
+    +settings), `compared` and where it ran, else one line naming the settings that differ."""
     folders = (f for root in roots for f in glob.glob(os.path.join(root, f'{router}-k{k}-s*')))
-    return {int(re.search(r'-s(\d+)$', folder).group(1)): dict(done, folder=folder)
+    runs = {int(re.search(r'-s(\d+)$', folder).group(1)): dict(done, folder=folder)
             for folder in folders if (done := last_done(folder))}
+    for seed in sorted(set(runs) & set(like or {})):
+        pair = like[seed]['folder'], runs[seed]['folder']
+        a, b = (recorded(folder)['config'] or {} for folder in pair)
+        free = {*IGNORED, *compared, 'router', 'top_k', *re.findall(r'\+(\w+)=', ''.join(pair))}
+        if differ := sorted(n for n in (a.keys() | b.keys()) - free if a.get(n) != b.get(n)):
+            fail(f"{pair[0]} and {pair[1]} differ in " + ', '.join(
+                f"--{n} ({a.get(n)!r}, {b.get(n)!r})" for n in differ) + " besides what is "
+                "compared; give sweep folders whose runs differ only in that")
+    return runs
 
 
-def val_ce(roots, router, k):
-    """{seed: val CE} of router's training runs at K."""
-    return {seed: run['val_ce'] for seed, run in runs_of(roots, router, k).items()}
+def val_ce(runs):
+    """{seed: val CE} of runs ({seed: run})."""
+    return {seed: run['val_ce'] for seed, run in runs.items()}
 
 
 def relu_schedule(roots, k):
@@ -66,13 +78,13 @@ def equal_compute(roots, router, ks):
         spend = float(np.mean([r['experts_trained'] for r in runs.values()]))
         low = math.floor(spend)
         high = low if spend - low < 0.005 else math.ceil(spend)  # within 0.005 of K: no K+1 runs
-        topk = {kk: val_ce(roots, 'topk', kk) for kk in {k, low, high}}
+        topk = {kk: val_ce(runs_of(roots, 'topk', kk, like=runs)) for kk in {k, low, high}}
         at_spend = {}
         for seed, run in runs.items():
             if seed in topk[low] and seed in topk[high]:
                 w = min(1.0, run['experts_trained'] - low) if high > low else 0.0
                 at_spend[seed] = (1 - w) * topk[low][seed] + w * topk[high][seed]
-        ce, seqtopk = {s: r['val_ce'] for s, r in runs.items()}, val_ce(roots, 'seqtopk', k)
+        ce, seqtopk = val_ce(runs), val_ce(runs_of(roots, 'seqtopk', k, like=runs))
         rows.append(dict(K=k, seeds=len(runs), spend_train=spend, between=(low, high),
                          spend_eval=float(np.mean([r['experts_mean'] for r in runs.values()])),
                          val_ce=mean_std(ce.values())[0], vs_topk=paired_difference(ce, topk[k]),
@@ -136,7 +148,9 @@ def relu_table(roots, ks):
     table = [[label] for label, _, _ in relu_parts(roots, ks[0])]
     for k in ks:
         for row, (_, a, b) in zip(table, relu_parts(roots, k)):
-            a, b = val_ce(*a), val_ce(*b)
+            compared = ['k_schedule'] * (a[0] != b[0])  # a spend sweep's topk: relu's schedule
+            a = runs_of(*a)
+            a, b = val_ce(a), val_ce(runs_of(*b, like=a, compared=compared))
             row.append(format_difference(paired_difference(a, b)) if a and b else 'n/a')
     markdown(['contrast', *(f"K={k}" for k in ks)], table)
     print("\nrelu's routing at the end (val, per MoE layer): experts per token, tokens given none")
@@ -151,33 +165,39 @@ def relu_table(roots, ks):
 
 
 # -----------------------------------------------------------------------------
-# windowtopk's evaluation: what a token being generated can reach
+# a router's evaluation: what a token being generated can reach
 
-WAYS = (('window', "as its code evaluates (a window of the batch at once)"),
-        ('topk', "as generation routed it before (each token its top K: a window of 1 x 1)"),
-        ('online', "by the online rule (Eq. 7, its floor, no cap): what sample.py routes"))
+WAYS = ('own', 'topk', 'online')  # a router's runs routed as it evaluates, as topk, online
+ROUTED = dict(  # per router: the short name of its own way, then each way's row
+    windowtopk=('window', "as its code evaluates (a window of the batch at once)",
+                "as generation routed it before (each token its top K: a window of 1 x 1)",
+                "by the online rule (Eq. 7, its floor, no cap): what sample.py routes"),
+    seqtopk=('offline', "offline, as it trains (Eq. 5: each sequence's top T·K at once)",
+             "as topk (each token its top K)",
+             "by the online rule (Eq. 7, within its bounds): what sample.py routes"))
 
 
 def routed_ways(roots, router, k, batches, data_dir):
     """{way: {seed: val CE}} of the router's runs at K routed each of the WAYS, {way: experts per
     token}, {seed: val CE} of topk's run of each seed on the same batches (its logged CE is on
-    others), and the largest gap between 'window' and each run's logged CE (the same number)."""
+    others), and the largest gap between 'own' and each run's logged CE (the same number)."""
     import fast
     from model import GPT
     from sample import load_model
-    ce, spend, gap = {way: {} for way, _ in WAYS}, {way: [] for way, _ in WAYS}, 0.0
-    topk_runs, topk_ce = runs_of(roots, 'topk', k), {}
-    for seed, run in sorted(runs_of(roots, router, k).items()):
+    ce, spend, gap = {way: {} for way in WAYS}, {way: [] for way in WAYS}, 0.0
+    runs, topk_ce = runs_of(roots, router, k), {}
+    topk_runs = runs_of(roots, 'topk', k, like=runs)
+    for seed, run in sorted(runs.items()):
         model, _ = load_model(run['folder'], 'cpu')
         as_topk = GPT(replace(model.config, router='topk')).eval()
         as_topk.load_state_dict(model.state_dict())
         model, as_topk = fast.paths(model), fast.paths(as_topk)
         topk_model = fast.paths(load_model(topk_runs[seed]['folder'], 'cpu')[0]) \
             if seed in topk_runs else None
-        losses, topk_losses = {way: [] for way, _ in WAYS}, []
+        losses, topk_losses = {way: [] for way in WAYS}, []
         with torch.no_grad():
             for x, y in val_batches(data_dir, model.config.block_size, batches):
-                outputs = dict(window=model(x, y, online=False), topk=as_topk(x, y),
+                outputs = dict(own=model(x, y, online=False), topk=as_topk(x, y),
                                online=model(x, y, online=True))
                 for way, (_, loss, aux) in outputs.items():
                     experts = np.mean([m.sum(-1).float().mean().item() for m, _ in aux['routing']])
@@ -189,7 +209,7 @@ def routed_ways(roots, router, k, batches, data_dir):
             spend[way].append(float(np.mean([experts for _, experts in losses[way]])))
         if topk_losses:
             topk_ce[seed] = float(np.mean(topk_losses))
-        gap = max(gap, abs(ce['window'][seed] - run['val_ce_offline']))
+        gap = max(gap, abs(ce['own'][seed] - run['val_ce_offline']))
     return ce, {way: float(np.mean(s)) for way, s in spend.items()}, topk_ce, gap
 
 
@@ -255,7 +275,8 @@ def correlation(x, y):
 def chars(roots, k, batches, data_dir):
     """Per seed with both a seqtopk and a topk run at K: the class table and the slopes."""
     from sample import load_model
-    seq_runs, topk_runs = runs_of(roots, 'seqtopk', k), runs_of(roots, 'topk', k)
+    seq_runs = runs_of(roots, 'seqtopk', k)
+    topk_runs = runs_of(roots, 'topk', k, like=seq_runs)
     deltas = (1, -1) if k > 1 else (1,)  # topk given one expert more (fewer) at a class
     results = []
     for seed in sorted(set(seq_runs) & set(topk_runs)):
@@ -424,13 +445,15 @@ def main(argv=None):
         markdown(['K', f"{args.router} routed", 'experts/token', 'val CE', 'Δ vs topk at K'])
         for k in ks:
             ce, spend, topk, gap = routed_ways(args.roots, args.router, k, args.batches, data_dir)
-            for way, label in WAYS:
+            own, *labels = ROUTED.get(args.router, ('own', f"as {args.router} evaluates", "as "
+                                      "topk", "online (it has no online rule: as it evaluates)"))
+            for way, label in zip(WAYS, labels):
                 print(f"| {k} | {label} | {spend[way]:.3f} | {mean_std(ce[way].values())[0]} | "
                       f"{format_difference(paired_difference(ce[way], topk))} |")
-            print(f"| {k} | online − window, paired | | | "
-                  f"{format_difference(paired_difference(ce['online'], ce['window']))} |")
-            print(f"(K={k}: {len(ce['window'])} seeds, {args.batches} val batches, topk's runs on "
-                  f"the same batches; the window's CE is each run's logged val CE to {gap:.1e})")
+            print(f"| {k} | online − {own}, paired | | | "
+                  f"{format_difference(paired_difference(ce['online'], ce['own']))} |")
+            print(f"(K={k}: {len(ce['own'])} seeds, {args.batches} val batches, topk's runs on "
+                  f"the same batches; the {own}'s CE is each run's logged val CE to {gap:.1e})")
     if args.chars:
         for k in ks:
             results = chars(args.roots, k, args.batches, data_dir)

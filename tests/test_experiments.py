@@ -657,6 +657,21 @@ def test_the_analyses_of_a_finished_sweep_run_and_print_their_tables(workdir, tm
     assert causal.returncode == 0, causal.stderr
     rows = [line.split('|') for line in causal.stdout.splitlines() if line.startswith('| 2 |')]
     assert len(rows) == 4 and all(r[5].strip() == '+0.0000 [+0.0000, +0.0000]' for r in rows)
+    # each router's rows say how that router routes (seqtopk's were windowtopk's)
+    for router, labels in (
+            ('seqtopk', ["offline, as it trains (Eq. 5: each sequence's top T·K at once)",
+                         "as topk (each token its top K)",
+                         "by the online rule (Eq. 7, within its bounds): what sample.py routes",
+                         "online − offline, paired"]),
+            ('windowtopk', ["as its code evaluates (a window of the batch at once)",
+                            "as generation routed it before (each token its top K: a window of "
+                            "1 x 1)", "by the online rule (Eq. 7, its floor, no cap): what "
+                            "sample.py routes", "online − window, paired"])):
+        causal = run('experiments/analyze.py', 'parts', '--causal', f'--router={router}',
+                     '--top_ks=2', '--batches=2', cwd=workdir)
+        assert causal.returncode == 0, causal.stderr
+        assert [line.split('|')[2].strip() for line in causal.stdout.splitlines()
+                if line.startswith('| 2 |')] == labels, causal.stdout
     # random scores: a floor only adds
     window = run('experiments/analyze.py', '--window_spend', cwd=workdir)
     assert window.returncode == 0, window.stderr
@@ -693,6 +708,28 @@ def test_an_analysis_without_its_runs_or_data_is_one_line_before_any_table(tmp_p
         line = exit_message('experiments/analyze.py', args, monkeypatch)
         assert line.startswith(f"error: {message}"), line
     assert capsys.readouterr().out == ''  # no table, not even its header
+
+
+def test_runs_are_paired_only_if_made_alike_but_for_what_is_compared(tmp_path, monkeypatch,
+                                                                     capsys):
+    # a topk run at learning rate 1e-3 was paired with a seqtopk run at 2e-3, without a word
+    monkeypatch.chdir(tmp_path)
+    config = dict(learning_rate=1e-3, max_iters=800, out_dir='x', seed=1)
+    finished_runs(tmp_path / 'a', 'topk', 2, val_ce=[1.6], config=[dict(config, router='topk')])
+    finished_runs(tmp_path / 'b', 'seqtopk', 2, val_ce=[1.5], experts_trained=[2.0],
+                  experts_mean=[2.0], config=[dict(config, router='seqtopk', out_dir='y')])
+    finished_runs(tmp_path / 'c', 'seqtopk', 2, val_ce=[1.5], experts_trained=[2.0],
+                  experts_mean=[2.0], config=[dict(config, router='seqtopk', learning_rate=2e-3)])
+    analyze = ['--equal_compute', '--router=seqtopk', '--top_ks=2']
+    assert exit_message('experiments/analyze.py', ['a', 'c', *analyze], monkeypatch) == (
+        "error: c/seqtopk-k2-s1 and a/topk-k2-s1 differ in --learning_rate (0.002, 0.001) "
+        "besides what is compared; give sweep folders whose runs differ only in that")
+    assert capsys.readouterr().out == ''
+    # the router and where each ran may differ: the pair is made
+    import analyze as module
+    module.main(['a', 'b', *analyze])
+    assert capsys.readouterr().out.splitlines()[-1].split('|')[5].strip() == '-0.1000 (1 seed: ' \
+        'no interval)'
 
 
 def test_equal_compute_says_which_topk_runs_a_blank_difference_needs(tmp_path, monkeypatch,

@@ -195,7 +195,8 @@ def test_a_signal_stops_an_evaluation_at_once_and_a_second_stops_training_at_onc
         return proc
     procs = []
     try:
-        evaluation = started('--eval_only=True', f'--out_dir={tmp_path}/eval')
+        evaluation = started('--eval_only=True', f"--init_from={workdir / 'run' / 'ckpt.pt'}",
+                             f'--out_dir={tmp_path}/eval')
         evaluation.send_signal(signal.SIGTERM)  # nothing to save: no waiting
         out = evaluation.communicate(timeout=HANG)[0]
         assert evaluation.returncode == 1 and out.splitlines()[-1] == (
@@ -402,7 +403,8 @@ def test_a_damaged_data_folder_is_one_line_naming_the_file_and_the_command_that_
         'foreign_meta': (lambda d: (d / 'meta.json').write_text('{"vocab_size": 65}'),  # not ours
                          'meta.json is not a meta.json written by prepare.py'),
         'short': (lambda d: os.truncate(d / 'val.bin', 64),  # a context, but not its targets
-                  'val.bin has 32 tokens, too few for block_size=32'),
+                  'val.bin has 32 tokens, too few for block_size=32; use a smaller --block_size, '
+                  'or more text (or, for val.bin, a larger prepare.py --val_fraction)'),
     }
     for name, (damage, message) in cases.items():
         folder = tmp_path / 'data' / name
@@ -551,7 +553,8 @@ def test_a_second_run_into_a_live_run_s_out_dir_is_refused_and_a_killed_run_hold
         while not (out / 'log.jsonl').exists() and time.time() < deadline:
             time.sleep(0.2)
         # an evaluation writes nothing into a run's folder, so the live one is no obstacle
-        evaluated = run('train.py', TINY, '--out_dir=live', '--eval_only=True', cwd=workdir)
+        evaluated = run('train.py', TINY, '--out_dir=live', '--eval_only=True',
+                        f"--init_from={workdir / 'run' / 'ckpt.pt'}", cwd=workdir)
         assert evaluated.returncode == 0 and 'val ce' in evaluated.stdout, evaluated.stderr
     finally:
         first.kill()  # SIGKILL: no chance to let go of anything itself
@@ -642,7 +645,7 @@ def test_an_evaluation_never_writes_into_the_run_it_reads(workdir, tmp_path):
     shutil.copytree(workdir / 'run', out)
     before = {name: (out / name).read_bytes() for name in ('ckpt.pt', 'log.jsonl')}
     for args in (['--init_from=resume', '--router=seqtopk'],  # resumed at its last step
-                 [],  # a fresh model's evaluation, pointed at the run's folder
+                 [],  # the run's own checkpoint: out_dir's run, as given
                  [f'--init_from={out}/ckpt.pt', '--router=batchtopk']):
         result = run('train.py', TINY, f'--out_dir={out}', '--eval_only=True', *args, cwd=workdir)
         assert result.returncode == 0 and 'val ce' in result.stdout, result.stderr
@@ -672,6 +675,21 @@ def test_an_evaluation_of_a_checkpoint_uses_its_run_s_val_batches_and_repeats_it
     assert result.returncode == 0, result.stderr
     assert f"val ce {logged:.4f}" in result.stdout, (logged, result.stdout)
     assert 'global batch 3 sequences' in result.stdout
+
+
+def test_an_evaluation_without_init_from_evaluates_the_run_in_out_dir_or_is_refused(workdir,
+                                                                                   tmp_path):
+    # it evaluated an untrained model and printed a plausible number (4.34 against the run's 3.66)
+    logged = [r for r in map(json.loads, open(workdir / 'run' / 'log.jsonl'))
+              if 'val_ce' in r][-1]['val_ce']
+    result = run('train.py', TINY, '--out_dir=run', '--eval_only=True', cwd=workdir)
+    assert result.returncode == 0, result.stderr
+    assert "step 10: train ce" in result.stdout and f"val ce {logged:.4f}" in result.stdout
+    line = one_error_line(run('train.py', TINY, f'--out_dir={tmp_path}/none', '--eval_only=True',
+                              cwd=workdir))
+    assert line == (f"error: --eval_only=True evaluates a checkpoint and {tmp_path}/none/ holds "
+                    f"none; give --init_from=PATH/ckpt.pt, or the --out_dir of a run")
+    assert not os.path.exists(tmp_path / 'none')
 
 
 def test_an_overwritten_run_stopped_before_its_first_save_never_resumes_the_old_checkpoint(

@@ -220,7 +220,7 @@ def test_prepare_reads_a_local_jsonl_dataset_offline_and_the_ids_decode_back(tmp
     from prepare import gpt2_encoding
     enc = gpt2_encoding()
     meta = json.load(open(tmp_path / 'data' / 'stories' / 'meta.json'))
-    assert meta == dict(tokenizer='gpt2', vocab_size=50257)
+    assert meta == dict(tokenizer='gpt2', vocab_size=50257, source=str(tmp_path / 'stories.jsonl'))
     decoded = {}
     for split in ('train', 'val'):
         ids = np.fromfile(tmp_path / 'data' / 'stories' / f'{split}.bin', dtype=np.uint16).tolist()
@@ -349,7 +349,7 @@ def test_text_prepare_cannot_store_is_one_line_not_a_traceback(tmp_path, monkeyp
     many = ''.join(chr(c) for c in range(0x100, 0x100 + 2 ** 16 + 2050) if not 0xD800 <= c < 0xE000)
     (tmp_path / 'many.txt').write_text(many, encoding='utf-8')
     (tmp_path / 'one.jsonl').write_text(json.dumps({'text': 'a single row'}) + '\n')
-    rows = [{'text': 'some text'}] * 20 + [{'text': None}]
+    rows = [{'text': 'some text ' * 100}] * 20 + [{'text': None}]  # val: long enough to train
     (tmp_path / 'null.jsonl').write_text(''.join(json.dumps(row) + '\n' for row in rows))
     for args, message in (
             (['--text=latin1.txt'], "--text file 'latin1.txt' is not UTF-8 text (byte 3"),
@@ -358,6 +358,38 @@ def test_text_prepare_cannot_store_is_one_line_not_a_traceback(tmp_path, monkeyp
             (['--source=null.jsonl', '--num_proc=1'], "column 'text' holds None where text is")):
         assert exit_message('prepare.py', args, monkeypatch).startswith(f"error: {message}")
     assert not os.path.exists('data') or not any(files for _, _, files in os.walk('data'))
+
+
+def test_a_small_source_is_refused_naming_val_fraction_and_no_other_dataset_is_replaced(
+        tmp_path, monkeypatch):
+    import prepare
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv('HF_DATASETS_CACHE', str(tmp_path / 'cache'))
+    (tmp_path / 'stories.jsonl').write_text(''.join(
+        json.dumps({'text': f'story {i}: once upon a time'}) + '\n' for i in range(400)))
+    # 400 rows at the default --val_fraction 0.0005: one row, too few tokens for train.py's default
+    # context, whose error named --block_size
+    line = exit_message('prepare.py', ['--source=stories.jsonl', '--num_proc=1'], monkeypatch)
+    assert re.fullmatch(r"error: the val split holds \d+ tokens, too few for train.py's default "
+                        r"--block_size=128; give a larger --val_fraction \(now 0.0005\)", line)
+    assert not os.path.exists('data')
+    prepare.main(['--source=stories.jsonl', '--val_fraction=0.1', '--num_proc=1'])
+    folder = tmp_path / 'data' / 'stories'
+    made = {name: (folder / name).read_bytes() for name in os.listdir(folder)}
+    # another source, named alike, is refused before anything is read; the same one is remade
+    (tmp_path / 'stories.csv').write_text('text\n' + ''.join(f'tale {i} of a king and a fool\n'
+                                                             for i in range(400)))
+    line = exit_message('prepare.py', ['--source=stories.csv', '--val_fraction=0.1'], monkeypatch)
+    assert line == (f"error: data/stories/ holds another dataset ({tmp_path}/stories.jsonl, gpt2); "
+                    f"pass --overwrite to replace it, or give another --dataset")
+    assert {name: (folder / name).read_bytes() for name in os.listdir(folder)} == made
+    (tmp_path / 'notes.txt').write_text('to be, or not to be, that is the question\n' * 50)
+    line = exit_message('prepare.py', ['--text=notes.txt', '--dataset=stories'], monkeypatch)
+    assert line.startswith("error: data/stories/ holds another dataset")
+    prepare.main(['--source=stories.jsonl', '--val_fraction=0.1', '--num_proc=1'])
+    assert {name: (folder / name).read_bytes() for name in os.listdir(folder)} == made
+    prepare.main(['--source=stories.csv', '--val_fraction=0.1', '--num_proc=1', '--overwrite'])
+    assert json.loads((folder / 'meta.json').read_text())['source'] == str(tmp_path / 'stories.csv')
 
 
 def test_prepare_removes_an_old_meta_pkl_that_would_describe_other_data(tmp_path, monkeypatch):
@@ -386,7 +418,7 @@ def test_preparing_again_killed_midway_leaves_a_folder_no_run_takes(tmp_path, mo
         return write_bin(path, ids)
     monkeypatch.setattr(prepare, 'write_bin', killed_at_val)
     with pytest.raises(KeyboardInterrupt):
-        prepare.main(['--text=new.txt', '--dataset=mix'])
+        prepare.main(['--text=new.txt', '--dataset=mix', '--overwrite'])
     with pytest.raises(ValueError, match=r'meta.json is missing; rebuild it with'):
         check_data(os.path.join('data', 'mix'), 8)
 
@@ -522,6 +554,57 @@ def test_the_log_shows_warmup_then_cosine_decay_to_min_lr_and_mrltopk_drawing_k_
     assert lr[14] == pytest.approx(1e-3) and lr[15] == pytest.approx(1e-3)  # min_lr from then on
     # MRL-TopK: each layer's k drawn from {2, 4} each step, so the spend moves from step to step
     assert len({r['experts'] for r in train}) > 1
+
+
+def wandb_history(wandb_dir):
+    """The rows an offline wandb run logged, read back from its .wandb file: wandb's own protobuf
+    Records, in LevelDB's log framing (a 7-byte header, 32 KiB blocks of chunks, each with a
+    7-byte header: checksum, length, kind; kind 1 a whole record, 4 a record's last chunk)."""
+    import struct
+    from wandb.proto import wandb_internal_pb2
+    path, = glob.glob(os.path.join(wandb_dir, 'wandb', 'offline-run-*', '*.wandb'))
+    data, pos, chunks, rows = open(path, 'rb').read(), 7, b'', []
+    while pos + 7 <= len(data):
+        if (left := 32768 - pos % 32768) < 7:  # a block's zero padding
+            pos += left
+            continue
+        _, length, kind = struct.unpack('<IHB', data[pos:pos + 7])
+        chunks, pos = chunks + data[pos + 7:pos + 7 + length], pos + 7 + length
+        if kind in (1, 4):
+            record, chunks = wandb_internal_pb2.Record.FromString(chunks), b''
+            if record.HasField('history'):
+                row = {item.key or '/'.join(item.nested_key): json.loads(item.value_json)
+                       for item in record.history.item}
+                rows.append({k: v for k, v in row.items() if not k.startswith('_')})  # wandb's
+    return rows
+
+
+def test_wandb_logs_each_evaluation_s_record_as_the_log_holds_it_offline(workdir, tmp_path,
+                                                                         monkeypatch):
+    # nanoGPT's settings; each evaluation's losses (the causal one too) and per-layer routing,
+    # the very numbers log.jsonl holds
+    env = dict(OFFLINE_ENV, WANDB_MODE='offline', WANDB_DIR=str(tmp_path), WANDB_SILENT='true')
+    out = tmp_path / 'tracked'
+    result = run('train.py', TINY, '--router=seqtopk', '--max_iters=4', '--eval_interval=2',
+                 '--wandb_log=True', '--wandb_project=p', '--wandb_run_name=tracked',
+                 f'--out_dir={out}', cwd=workdir, env=env)
+    assert result.returncode == 0, result.stderr
+    rows, evals = wandb_history(tmp_path), logged(out, 'eval')
+    assert len(rows) == len(evals) == 3
+    for row, record in zip(rows, evals):
+        layers = record.pop('layers')
+        assert {k: v for k, v in row.items() if not k.startswith('layers/')} == record
+        assert {k: v for k, v in row.items() if k.startswith('layers/')} == {
+            f'layers/{i}/{k}': v for i, layer in enumerate(layers) for k, v in layer.items()}
+        assert {'val_ce', 'val_causal_ce', 'layers/1/experts_mean', 'layers/0/load_cv'} <= set(row)
+    # without wandb: not imported unless asked for, and asked for, one line that says to install it
+    (tmp_path / 'wandb.py').write_text('raise ImportError("imported")\n')
+    plain = run('train.py', TINY, '--max_iters=2', f'--out_dir={tmp_path}/plain', cwd=workdir,
+                env=dict(OFFLINE_ENV, PYTHONPATH=str(tmp_path)))
+    assert plain.returncode == 0, plain.stderr
+    monkeypatch.setitem(sys.modules, 'wandb', None)
+    assert exit_message('train.py', ['--wandb_log=True'], monkeypatch) == (
+        "error: --wandb_log=True must be False: wandb is not installed (pip install wandb)")
 
 
 # -----------------------------------------------------------------------------
