@@ -70,29 +70,6 @@ contexts = '64,512,960'   # contexts at which per-step decode speed is measured
 steps_at_context = 64     # decode steps timed at each context
 decode_ways = 'eager,compiled'  # the decoding step eager, compiled (once, then a graph a step)
 # -----------------------------------------------------------------------------
-RULES = dict(what=one_of('all', 'route', 'train', 'moe', 'decode'),
-             ways=Rule(lambda v: v == '' or each(one_of('eager', 'compiled')).test(v),
-                       "'', eager, compiled or eager,compiled"),
-             device=Rule(lambda v: v == 'cpu' or v.split(':')[0] == 'cuda', 'cpu, cuda or cuda:N'),
-             dtype=one_of('float32', 'bfloat16'), repeats=positive_int, seed=a_seed,
-             sizes=each(one_of('default', 'larger', 'tiny', 'gpu')), train_steps=positive_int,
-             routers=each(one_of(*ROUTERS, 'dense')), moe_tokens=positive_int,
-             moe_embd=positive_int,
-             moe_exp_dim=positive_int, moe_n_exp=positive_int, moe_top_k=positive_int,
-             moe_repeats=positive_int, decode_size=one_of('default', 'larger', 'tiny', 'gpu'),
-             decode_block_size=positive_int, new_tokens=positive_int,
-             prompt_tokens=positive_int, contexts=each(positive_int, int),
-             steps_at_context=positive_int, decode_ways=each(one_of('eager', 'compiled')))
-RELATIONS = [('routers', lambda c: 'topk' in c['routers'].split(','), 'a list with topk in it'),
-             ('moe_top_k', lambda c: c['moe_top_k'] <= c['moe_n_exp'],
-              'at most --moe_n_exp={moe_n_exp}'),
-             ('new_tokens', lambda c: c['prompt_tokens'] + c['new_tokens']
-              <= c['decode_block_size'], 'at most --decode_block_size={decode_block_size} minus '
-              '--prompt_tokens={prompt_tokens}'),
-             ('contexts', lambda c: max(int(x) for x in c['contexts'].split(','))
-              + c['steps_at_context'] <= c['decode_block_size'],
-              'contexts of at most --decode_block_size={decode_block_size} minus '
-              '--steps_at_context={steps_at_context}')]
 # the models: train.py's default (on the built-in data's 76 characters), larger, config/tiny.py's,
 # and what a GPU user trains (GPT-2's vocabulary; with its MoE table: --moe_tokens=8192
 # --moe_embd=512 --moe_exp_dim=2048 --moe_n_exp=8 --moe_top_k=2)
@@ -104,6 +81,28 @@ SIZES = dict(default=dict(vocab_size=76),
                    if k in GPTConfig.__dataclass_fields__} | dict(vocab_size=76),
              gpu=dict(n_layer=6, n_head=8, n_embd=512, block_size=512, n_exp=8, exp_dim=2048,
                       top_k=2, vocab_size=50257))
+RULES = dict(what=one_of('all', 'route', 'train', 'moe', 'decode'),
+             ways=Rule(lambda v: v == '' or each(one_of('eager', 'compiled')).test(v),
+                       "'', eager, compiled or eager,compiled"),
+             device=Rule(lambda v: v == 'cpu' or v.split(':')[0] == 'cuda', 'cpu, cuda or cuda:N'),
+             dtype=one_of('float32', 'bfloat16'), repeats=positive_int, seed=a_seed,
+             sizes=each(one_of(*SIZES)), train_steps=positive_int,
+             routers=each(one_of(*ROUTERS, 'dense')), moe_tokens=positive_int,
+             moe_embd=positive_int, moe_exp_dim=positive_int, moe_n_exp=positive_int,
+             moe_top_k=positive_int, moe_repeats=positive_int, decode_size=one_of(*SIZES),
+             decode_block_size=positive_int, new_tokens=positive_int, prompt_tokens=positive_int,
+             contexts=each(positive_int, int), steps_at_context=positive_int,
+             decode_ways=each(one_of('eager', 'compiled')))
+RELATIONS = [('routers', lambda c: 'topk' in c['routers'].split(','), 'a list with topk in it'),
+             ('moe_top_k', lambda c: c['moe_top_k'] <= c['moe_n_exp'],
+              'at most --moe_n_exp={moe_n_exp}'),
+             ('new_tokens', lambda c: c['prompt_tokens'] + c['new_tokens']
+              <= c['decode_block_size'], 'at most --decode_block_size={decode_block_size} minus '
+              '--prompt_tokens={prompt_tokens}'),
+             ('contexts', lambda c: max(int(x) for x in c['contexts'].split(','))
+              + c['steps_at_context'] <= c['decode_block_size'],
+              'contexts of at most --decode_block_size={decode_block_size} minus '
+              '--steps_at_context={steps_at_context}')]
 # dense peak TFLOP/s per GPU and dtype (vendors' datasheets), for MFU; another GPU: no MFU
 PEAK_TFLOPS = {('H100 PCIe', 'bfloat16'): 756, ('H100', 'bfloat16'): 989, ('H200', 'bfloat16'): 989,
                ('A100', 'bfloat16'): 312, ('L4', 'bfloat16'): 121, ('H100', 'float32'): 67,
@@ -169,12 +168,6 @@ def way_list():
     return ways.split(',') if ways else ['compiled' if compile else 'eager']
 
 
-def compiled_step(model):
-    """torch.compile(model) as train.py compiles it: CUDA graphs where its step allows them."""
-    graphs = next(model.parameters()).is_cuda and fast.static_step(model)
-    return torch.compile(model, mode='reduce-overhead' if graphs else None)
-
-
 def table(title, header):
     """A section's title and its Markdown table's header, columns split by ' | '."""
     print(f"\n### {title}\n\n| {header} |\n|" + " --- |" * (header.count(' | ') + 1))
@@ -234,7 +227,10 @@ def bench_train(results, gpu):
         for router in routers.split(','):
             for way in way_list():
                 models[router, way] = model = fast.paths(build(router, shape).train())
-                step_model = compiled_step(model) if way == 'compiled' else model
+                # compiled as train.py compiles it: CUDA graphs where its step allows them
+                graphs = device_type == 'cuda' and fast.static_step(model)
+                step_model = (torch.compile(model, mode='reduce-overhead' if graphs else None)
+                              if way == 'compiled' else model)
                 opt = model.configure_optimizers(0.1, 1e-4, (0.9, 0.99), device_type)
 
                 def run(step_model=step_model, opt=opt, cfg=model.config,
@@ -369,9 +365,8 @@ def bench_decode(results):
     prompt = torch.randint(0, shape['vocab_size'], (1, prompt_tokens), generator=gen).to(device)
     models = {router: build(router, shape).eval() for router in ('topk', 'seqtopk')}
     way_names = decode_ways.split(',')
-    ways = {(router, way): (model, compiled_decode(model) if way == 'compiled' else
-                            model.decode_token, (StaticCache if way == 'compiled' else
-                                                 Cache)(model.config))
+    ways = {(router, way): (model, compiled_decode(model), StaticCache(model.config))
+            if way == 'compiled' else (model, model.decode_token, Cache(model.config))
             for router, model in models.items() for way in way_names}
     if 'compiled' in way_names:  # seqtopk's routing and Expert Cache, topk's expert work
         capped = build('seqtopk', shape).eval()

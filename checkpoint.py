@@ -243,6 +243,11 @@ def lock_holder(path):
             return f.read().strip() or 'just started'
 
 
+def in_use(path, what):  # why a folder whose lock (at path) a live run or sweep holds is refused
+    return (f"is in use by a live {what} ({lock_holder(path) or 'just ended'}); wait for it to end "
+            f"or stop it, or give another --out_dir")
+
+
 # -----------------------------------------------------------------------------
 # loading a checkpoint: one line for whatever is wrong with it
 
@@ -385,21 +390,17 @@ class Run:
         self.world_size, self.settings = world_size, settings  # the run's, as they go
         self.log_path = os.path.join(out_dir, 'log.jsonl')
         self.ckpt_path = os.path.join(out_dir, 'ckpt.pt')
+        self.lock_path = os.path.join(out_dir, LOCK)
         self.saved_iter = self.error = self.signal = None
         self.signal_at = 0.0  # when the first signal came: torchrun passes a Ctrl-C on, too
 
     # its folder and files
 
-    def in_use(self):
-        holder = lock_holder(os.path.join(self.out_dir, LOCK))
-        return (f"is in use by a live run ({holder or 'just ended'}); wait for it to end or stop "
-                f"it, or give another --out_dir")
-
     def out_dir_problem(self):
         """Why out_dir cannot hold this run (None when it can), found before anything runs."""
         path = self.out_dir
-        if os.path.isdir(path) and lock_holder(os.path.join(path, LOCK)):
-            return self.in_use()
+        if os.path.isdir(path) and lock_holder(self.lock_path):
+            return in_use(self.lock_path, 'run')
         if os.path.exists(path) and not os.path.isdir(path):
             return "exists and is not a folder; give another --out_dir"
         there = os.path.abspath(path)  # out_dir, or the folder it will be made in
@@ -426,8 +427,8 @@ class Run:
         """Make out_dir and hold it until the process exits; clear what a killed writer left."""
         if self.write:
             os.makedirs(self.out_dir, exist_ok=True)
-            if not lock(os.path.join(self.out_dir, LOCK)):
-                self.fail(f"--out_dir={self.out_dir} {self.in_use()}")
+            if not lock(self.lock_path):
+                self.fail(f"--out_dir={self.out_dir} {in_use(self.lock_path, 'run')}")
             for tmp in glob.glob(os.path.join(self.out_dir, '*.tmp')):
                 os.remove(tmp)
 

@@ -158,10 +158,6 @@ grouped_mm_weight_grad.register_fake(
     lambda x, grad, offs: x.new_empty(offs.shape[0], x.shape[1], grad.shape[1]))
 
 
-def grouped_mm_setup(ctx, inputs, output):
-    ctx.save_for_backward(*inputs)
-
-
 def grouped_mm_backward(ctx, grad):
     x, w, offs = ctx.saved_tensors
     grad = grad.contiguous()
@@ -170,7 +166,8 @@ def grouped_mm_backward(ctx, grad):
     return grad_x, grad_w, None
 
 
-grouped_mm.register_autograd(grouped_mm_backward, setup_context=grouped_mm_setup)
+grouped_mm.register_autograd(
+    grouped_mm_backward, setup_context=lambda ctx, inputs, output: ctx.save_for_backward(*inputs))
 
 
 # -----------------------------------------------------------------------------

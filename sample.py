@@ -306,9 +306,7 @@ class ExpertCounts:
 
     def generated(self):
         """(tokens, layers): every generated token but the last went through the MoE layers."""
-        if len(self.steps) < 2:
-            return None
-        return torch.stack(self.steps[1:]).long().cpu()
+        return torch.stack(self.steps[1:]).long().cpu() if len(self.steps) > 1 else None
 
     def per_token(self):
         """Each token's experts (mean over layers), the prompt's and the generated's, or []."""

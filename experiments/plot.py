@@ -13,6 +13,7 @@ explain routing (the walkthrough's and the README's). PNGs go to --out_dir, neve
         # run's first step logged below --escape (below the bigram plateau)
 """
 import argparse
+import itertools
 import json
 import os
 import re
@@ -177,10 +178,9 @@ def paired_differences(sweep):
                             label=router + (' (causal routing)' if causal else ''))
         ks = sorted({r['K'] for r in rows})
         ax.set_xscale('log', base=2)
-        ax.set_xlim(ks[0] / 1.6, ks[-1] * 1.6)
+        ax.set(xlim=(ks[0] / 1.6, ks[-1] * 1.6), xlabel='K (experts per token)')
         ax.set_xticks(ks, [str(k) for k in ks])
         ax.minorticks_off()
-        ax.set_xlabel('K (experts per token)')
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     axes[0][0].set_ylabel('Δ val cross-entropy vs topk (nats)' + (
@@ -315,13 +315,10 @@ def token_figure(texts, counts, top_ks, titles, width=40):
     for text, place, count, k, title, n_rows in zip(shown, places, counts, top_ks, titles, rows):
         ax.text(0, row, title, fontsize=10, weight='bold', va='center')
         row += 1
-        blocks = []  # consecutive layers that gave every token the same count: one block
-        for layer, taken in enumerate(count):
-            if blocks and torch.equal(torch.as_tensor(taken), torch.as_tensor(blocks[-1][1])):
-                blocks[-1][0].append(layer)
-            else:
-                blocks.append(([layer], taken))
-        for group, taken in blocks:
+        # consecutive layers that gave every token the same count: one block
+        for taken, block in itertools.groupby(enumerate(torch.as_tensor(count).tolist()),
+                                              key=lambda layer: layer[1]):
+            group = [layer for layer, _ in block]
             name = f"layer {group[0]}" if len(group) == 1 else f"layers {group[0]}-{group[-1]}"
             ax.text(-1, row, name, fontsize=7, va='center', ha='right')
             for token, (x, y, cells), n in zip(text, place, taken):
@@ -380,10 +377,9 @@ def explain(runs=(), prompt='ROMEO:', new_tokens=120):
                    "SeqTopK: the whole sequence at once",
                    "online SeqTopK: token m against the\nExpert Cache of tokens 1..m-1"])}
     if runs:
-        samples = [sample_routing(run, prompt, new_tokens) for run in runs]
-        figures['tokens.png'] = token_figure(
-            [s[0] for s in samples], [s[1] for s in samples], [s[2].top_k for s in samples],
-            [f"{s[2].router}, K={s[2].top_k}: experts per token in each layer" for s in samples])
+        texts, counts, configs = zip(*(sample_routing(run, prompt, new_tokens) for run in runs))
+        figures['tokens.png'] = token_figure(texts, counts, [c.top_k for c in configs], [
+            f"{c.router}, K={c.top_k}: experts per token in each layer" for c in configs])
     return figures
 
 

@@ -31,7 +31,7 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # the model's files
 
-from checkpoint import code_version, lock, lock_holder, written  # noqa: E402
+from checkpoint import code_version, in_use, lock, written  # noqa: E402
 from configurator import (Rule, a_seed, check, configure, each, fail, non_empty,  # noqa: E402
                           non_negative_int, one_of, positive_int)
 from model import GPTConfig  # noqa: E402
@@ -367,8 +367,6 @@ def rows_of(runs, finished, ks):
                      (' (fine-tuned)' if finetune and kind == 'train' else ''))
             offline_s, offline_mean = mean_std(offline(key).values())
             causal_s, causal_mean = mean_std([f['val_ce_causal'] for f in finals])
-            experts = [f['experts_mean'] for f in finals if f.get('experts_mean') is not None]
-            trained = [f['experts_trained'] for f in finals if f.get('experts_trained') is not None]
             rows.append(dict(
                 row=label, router=router, kind=kind, K=k, seeds=len(finals),
                 sparsity=f"{k}/{finals[0]['n_exp']}" if router != 'dense' else '',
@@ -379,8 +377,8 @@ def rows_of(runs, finished, ks):
                 diff_causal_low=d_causal['low'], diff_causal_high=d_causal['high'],
                 diff_vs_dense=d_dense['mean'], diff_dense_low=d_dense['low'],
                 diff_dense_high=d_dense['high'],
-                experts_per_token=float(np.mean(experts)) if experts else None,
-                experts_per_token_trained=float(np.mean(trained)) if trained else None,
+                experts_per_token=mean_std([f.get('experts_mean') for f in finals])[1],
+                experts_per_token_trained=mean_std([f.get('experts_trained') for f in finals])[1],
                 wall_s=float(np.mean([f['time'] for f in finals]))))
     return rows
 
@@ -453,9 +451,7 @@ def main():
         os.environ['OMP_NUM_THREADS'] = str(max(1, (os.cpu_count() or 1) // jobs))
     os.makedirs(out_dir, exist_ok=True)
     if not lock(os.path.join(out_dir, LOCK)):
-        fail(f"--out_dir={out_dir} is in use by a live sweep "
-             f"({lock_holder(os.path.join(out_dir, LOCK)) or 'just ended'}); wait for it to end "
-             f"or stop it, or give another --out_dir")
+        fail(f"--out_dir={out_dir} {in_use(os.path.join(out_dir, LOCK), 'sweep')}")
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # SIGHUP: its terminal closed
         signal.signal(sig, lambda signum, frame: stop(signal.Signals(signum).name))
     start = time.time()
