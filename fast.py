@@ -56,10 +56,13 @@ def moe_sorted(x, mask, gates, w_fc, w_proj, grouped_mm=expert_loop, n_pairs=Non
     token = pair % M  # (P,)
     offs = mask.sum(0).cumsum(0).to(torch.int32)  # (N,): where each expert's rows end
     h = F.gelu(grouped_mm(x[token], w_fc.to(x.dtype), offs))  # (P, H)
-    y = grouped_mm(h, w_proj.to(x.dtype), offs)  # (P, C)
-    # the gate after w_proj, which is linear: (g h) W = g (h W), on C columns, not H
+    gate = gates.t().reshape(-1)[pair, None]  # (P, 1)
     dtype = torch.promote_types(x.dtype, torch.float32)
-    y = y.to(dtype) * gates.t().reshape(-1)[pair, None].to(dtype)  # (P, C)
+    # the gate on the narrower of h and y, w_proj being linear: (g h) W = g (h W)
+    if h.shape[1] < x.shape[1]:
+        y = grouped_mm(h * gate.to(h.dtype), w_proj.to(x.dtype), offs).to(dtype)  # (P, C)
+    else:
+        y = grouped_mm(h, w_proj.to(x.dtype), offs).to(dtype) * gate.to(dtype)  # (P, C)
     if k is None:  # each pair's output added into its token's row
         return torch.zeros_like(x, dtype=dtype).index_add_(0, token, y).to(x.dtype)
     # k a token: each pair to a slot of its token's (its place among them), each slot written once
@@ -91,9 +94,9 @@ def static_step(model):
 
 def sorted_experts(x, mask, gates, w_fc, w_proj, router, mm=None):
     """moe_sorted with the pair count where the router's budget is exact (static shapes, no host
-    sync: one compiled graph of the training forward) and k where every token takes k (topk); on
-    an H100 or H200 in bf16, torch's own grouped matmul."""
-    k = router.current_k() if type(router) in (TopK, MRLTopK) else None
+    sync: one compiled graph of the training forward); on a GPU, k where every token takes k
+    (topk: a sum with no atomics); on an H100 or H200 in bf16, torch's own grouped matmul."""
+    k = router.current_k() if x.is_cuda and type(router) in (TopK, MRLTopK) else None
     if mm is None:
         mm = native_grouped_mm if native_grouped_ok(x, w_fc) else grouped_mm
     return moe_sorted(x, mask, gates, w_fc, w_proj, mm, exact_pairs(router, mask.shape[0]), k)

@@ -181,12 +181,13 @@ def decode_slots(router):
 def decode_experts(x, mask, gates, w_fc, w_proj, router, slots=None):
     """A decoding step's experts, each token's in `slots` slots (default decode_slots; no bound:
     fast.sorted_experts). On the CPU, where reading a count waits for nothing, only as many slots
-    as a token takes (a size the compiled step reads: capture_scalar_outputs)."""
+    as a token takes, two at least (a size the compiled step reads: capture_scalar_outputs; two
+    leave inductor's one-row matmul pass nothing to ask of it)."""
     slots = slots or decode_slots(router)
     if slots is None:
         return fast.sorted_experts(x, mask, gates, w_fc, w_proj, router)
-    if not x.is_cuda:  # a token taking none: one slot of gate 0
-        slots = torch.sym_max(1, torch.sym_min(int(mask.sum(-1).max()), slots))
+    if not x.is_cuda:  # a token taking fewer: slots of gate 0
+        slots = torch.sym_max(min(2, slots), torch.sym_min(int(mask.sum(-1).max()), slots))
     return slot_experts(x, *slot_pairs(mask, gates, slots), w_fc, w_proj)
 
 
