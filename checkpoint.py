@@ -16,7 +16,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import uuid
 import warnings
 from contextlib import contextmanager, suppress
 from dataclasses import fields
@@ -48,10 +47,6 @@ def code_version():
     except (OSError, subprocess.SubprocessError):
         return None
     return None if commit.returncode else commit.stdout.strip() + '+dirty' * bool(dirty.stdout)
-
-
-def new_run_id():  # what names one run in its log, its checkpoint and a sweep's table
-    return uuid.uuid4().hex[:12]
 
 
 def of_its_type(key, value):  # a model setting as GPTConfig types it (a float one: an int too)
@@ -251,9 +246,9 @@ def in_use(path, what):  # why a folder whose lock (at path) a live run or sweep
 # -----------------------------------------------------------------------------
 # loading a checkpoint: one line for whatever is wrong with it
 
-def load(path, keys=('model', 'model_args', 'meta'), quiet=False):
-    """The checkpoint dict at path, with at least `keys`, or one error line (quiet: exit 1, as
-    torchrun's other ranks do). On the CPU: the RNG states must stay CPU tensors."""
+def load(path, state=(), quiet=False):
+    """The checkpoint dict at path (model, model_args, meta and `state`), or one error line (quiet:
+    exit 1, as torchrun's other ranks do). On the CPU: the RNG states must stay CPU tensors."""
     def refuse(why):
         fail(f"{path} {why}", quiet)
     if os.path.getsize(path) == 0:
@@ -276,22 +271,22 @@ def load(path, keys=('model', 'model_args', 'meta'), quiet=False):
     if isinstance(args, dict) and not {'n_exp', 'router'} <= set(args):
         refuse("is a dense GPT checkpoint from another project (nanoGPT?): its model_args have no "
                "n_exp or router; seqmoe loads only checkpoints written by its own train.py")
-    if missing := [k for k in keys if k not in ckpt]:
+    if missing := [k for k in ('model', 'model_args', 'meta', *state) if k not in ckpt]:
         refuse(f"is not a complete seqmoe checkpoint: it has no {', '.join(missing)} "
                f"(it has {', '.join(map(str, ckpt)) or 'nothing'})")
     if isinstance(args, dict):
         args.pop('moe_impl', None)  # a model setting once, since a choice of the scripts
-    if 'model_args' in keys and (not isinstance(args, dict) or set(args) - set(MODEL_KEYS)):
+    if not isinstance(args, dict) or set(args) - set(MODEL_KEYS):
         unknown = sorted(set(args) - set(MODEL_KEYS)) if isinstance(args, dict) else ['(no dict)']
         refuse(f"has model settings this version does not know: {', '.join(unknown)}")
-    if 'model_args' in keys and (wrong := [k for k in args if not of_its_type(k, args[k])]):
+    if wrong := [k for k in args if not of_its_type(k, args[k])]:
         refuse(f"has a model setting of the wrong type: {wrong[0]}={args[wrong[0]]!r}, not "
                f"{MODEL_TYPES[wrong[0]].__name__}; give a ckpt.pt written by train.py")
-    if 'meta' in keys and not (isinstance(meta, dict) and {'tokenizer', 'vocab_size'} <= set(meta)):
+    if not (isinstance(meta, dict) and {'tokenizer', 'vocab_size'} <= set(meta)):
         refuse("has no tokenizer in its meta; give a ckpt.pt written by train.py")
-    if 'model' in keys and not isinstance(ckpt['model'], dict):
+    if not isinstance(ckpt['model'], dict):
         refuse("has no weights (its 'model' is not a state dict)")
-    if 'model' in keys and (bad := non_finite(ckpt['model'])):
+    if bad := non_finite(ckpt['model']):
         refuse(f"holds non-finite weights (NaN or inf in {bad[0]}); it cannot be used")
     return ckpt
 
@@ -304,8 +299,7 @@ def load_to_continue(source, resume, model_args, overridden, quiet=False):
                          f"run again (--overwrite=True replaces what its folder holds), or give "
                          f"the --out_dir of the run")
     state = ('optimizer', 'iter_num', 'best_val_loss', 'batch_gen_state', 'torch_rng_state')
-    checkpoint = load(source, ('model', 'model_args', 'meta') + (state if resume else ()),
-                      quiet=quiet)
+    checkpoint = load(source, state if resume else (), quiet)
     saved = checkpoint['model_args']
     for k, value in saved.items():
         if k in overridden and k not in ROUTING_KEYS and model_args.get(k) != value:
@@ -330,16 +324,16 @@ def check_vocabulary(checkpoint, source, meta, data_dir):
                          f"({what}); {again}")
 
 
-def restore_state(checkpoint, source, optimizer, batch_gen):
-    """A resumed run's optimizer, batch stream and RNG as the checkpoint left them."""
+def restore_state(checkpoint, source, optimizer, batch_gen, quiet=False):
+    """A resumed run's optimizer, batch stream and RNG as the checkpoint left them, or one line."""
     try:
         optimizer.load_state_dict(checkpoint['optimizer'])
         batch_gen.set_state(checkpoint['batch_gen_state'])
         torch.set_rng_state(checkpoint['torch_rng_state'])
     except (ValueError, RuntimeError, TypeError, KeyError) as e:
-        raise ValueError(f"{source} has an optimizer or RNG state this run cannot restore "
-                         f"({type(e).__name__}); fine-tune from it instead: --init_from={source} "
-                         f"--out_dir=ANOTHER_DIR") from None
+        fail(f"{source} has an optimizer or RNG state this run cannot restore "
+             f"({type(e).__name__}); fine-tune from it instead: --init_from={source} "
+             f"--out_dir=ANOTHER_DIR", quiet)
 
 
 def load_weights(model, ckpt, path, quiet=False):
