@@ -113,8 +113,7 @@ def check_data(data_dir, block_size):
         path = os.path.join(data_dir, f'{split}.bin')
         size = os.path.getsize(path)
         if size % 2:
-            raise ValueError(f"{path} is {size} bytes, not a whole number of uint16 tokens; "
-                             f"{redo}")
+            raise ValueError(f"{path} is {size} bytes, not a whole number of uint16 tokens; {redo}")
         if size // 2 <= block_size + 1:
             raise ValueError(f"{path} has {size // 2} tokens, too few for block_size={block_size}; "
                              f"use a smaller --block_size, or more text (or, for val.bin, a "
@@ -135,9 +134,8 @@ def get_batch(data, block_size, batch_size, generator, draws=1, take=0):
     see what one would."""
     offsets = [torch.randint(len(data) - block_size, (batch_size,), generator=generator)
                for _ in range(draws)][take].tolist()
-    x, y = (torch.stack([torch.from_numpy(data[i + shift:i + shift + block_size].astype(np.int64))
-                         for i in offsets]) for shift in (0, 1))
-    return x, y
+    return tuple(torch.stack([torch.from_numpy(data[i + s:i + s + block_size].astype(np.int64))
+                              for i in offsets]) for s in (0, 1))
 
 
 # -----------------------------------------------------------------------------
@@ -197,15 +195,12 @@ def append_line(path, line):
 
 def read_log(path):
     """The records of a log.jsonl; lines that are not whole records skipped, with a note."""
-    records, skipped = [], 0
-    for line in filter(str.strip, open(path, encoding='utf-8', errors='replace')):
-        try:
-            record = json.loads(line)
-        except ValueError:
-            record = None
-        records += [record] if isinstance(record, dict) else []
-        skipped += not isinstance(record, dict)
-    if skipped:
+    def record(line):
+        with suppress(ValueError):
+            return json.loads(line)
+    lines = list(filter(str.strip, open(path, encoding='utf-8', errors='replace')))
+    records = [r for r in map(record, lines) if isinstance(r, dict)]
+    if skipped := len(lines) - len(records):
         print(f"note: {path}: skipped {skipped} line(s) that are not whole records",
               file=sys.stderr)
     return records
@@ -382,9 +377,8 @@ class Run:
     def __init__(self, out_dir, ddp, master, world_size, settings):
         self.out_dir, self.write, self.ddp, self.master = out_dir, master, ddp, master
         self.world_size, self.settings = world_size, settings  # the run's, as they go
-        self.log_path = os.path.join(out_dir, 'log.jsonl')
-        self.ckpt_path = os.path.join(out_dir, 'ckpt.pt')
-        self.lock_path = os.path.join(out_dir, LOCK)
+        self.log_path, self.ckpt_path, self.lock_path = (
+            os.path.join(out_dir, name) for name in ('log.jsonl', 'ckpt.pt', LOCK))
         self.saved_iter = self.error = self.signal = None
         self.signal_at = 0.0  # when the first signal came: torchrun passes a Ctrl-C on, too
 
@@ -392,12 +386,11 @@ class Run:
 
     def out_dir_problem(self):
         """Why out_dir cannot hold this run (None when it can), found before anything runs."""
-        path = self.out_dir
-        if os.path.isdir(path) and lock_holder(self.lock_path):
+        if os.path.isdir(self.out_dir) and lock_holder(self.lock_path):
             return in_use(self.lock_path, 'run')
-        if os.path.exists(path) and not os.path.isdir(path):
+        if os.path.exists(self.out_dir) and not os.path.isdir(self.out_dir):
             return "exists and is not a folder; give another --out_dir"
-        there = os.path.abspath(path)  # out_dir, or the folder it will be made in
+        there = os.path.abspath(self.out_dir)  # out_dir, or the folder it will be made in
         while not os.path.exists(there):
             there = os.path.dirname(there)
         if not os.path.isdir(there):
@@ -483,8 +476,7 @@ class Run:
             self.stop(self.error, 'free some space')
 
     def diverged(self, step, what):
-        if self.master:
-            self.log(dict(event='diverged', iter=step, what=what))
+        self.log(dict(event='diverged', iter=step, what=what))
         lr, min_lr = self.settings['learning_rate'], self.settings['min_lr']
         lower = dict(learning_rate=f"{lr / 10:g}") | (  # the command goes on at a tenth
             dict(min_lr=f"{lr / 10:g}") if min_lr > lr / 10 else {})
@@ -549,9 +541,8 @@ class Run:
         default = sys.excepthook
 
         def hook(kind, error, tb):
-            if not (isinstance(error, dist.DistError) or isinstance(error, RuntimeError) and any(
-                    s in str(error) for s in ('closed by peer', 'reset by peer', 'Broken pipe',
-                                              'Timed out'))):
+            lost = re.search('(closed|reset) by peer|Broken pipe|Timed out', str(error))
+            if not (isinstance(error, dist.DistError) or isinstance(error, RuntimeError) and lost):
                 return default(kind, error, tb)
             if self.master:
                 why = (str(error).strip().splitlines() or [kind.__name__])[0]
