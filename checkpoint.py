@@ -16,7 +16,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import uuid
 import warnings
 from contextlib import contextmanager, suppress
 from dataclasses import fields
@@ -48,10 +47,6 @@ def code_version():
     except (OSError, subprocess.SubprocessError):
         return None
     return None if commit.returncode else commit.stdout.strip() + '+dirty' * bool(dirty.stdout)
-
-
-def new_run_id():  # what names one run in its log, its checkpoint and a sweep's table
-    return uuid.uuid4().hex[:12]
 
 
 def of_its_type(key, value):  # a model setting as GPTConfig types it (a float one: an int too)
@@ -118,8 +113,7 @@ def check_data(data_dir, block_size):
         path = os.path.join(data_dir, f'{split}.bin')
         size = os.path.getsize(path)
         if size % 2:
-            raise ValueError(f"{path} is {size} bytes, not a whole number of uint16 tokens; "
-                             f"{redo}")
+            raise ValueError(f"{path} is {size} bytes, not a whole number of uint16 tokens; {redo}")
         if size // 2 <= block_size + 1:
             raise ValueError(f"{path} has {size // 2} tokens, too few for block_size={block_size}; "
                              f"use a smaller --block_size, or more text (or, for val.bin, a "
@@ -140,9 +134,8 @@ def get_batch(data, block_size, batch_size, generator, draws=1, take=0):
     see what one would."""
     offsets = [torch.randint(len(data) - block_size, (batch_size,), generator=generator)
                for _ in range(draws)][take].tolist()
-    x, y = (torch.stack([torch.from_numpy(data[i + shift:i + shift + block_size].astype(np.int64))
-                         for i in offsets]) for shift in (0, 1))
-    return x, y
+    return tuple(torch.stack([torch.from_numpy(data[i + s:i + s + block_size].astype(np.int64))
+                              for i in offsets]) for s in (0, 1))
 
 
 # -----------------------------------------------------------------------------
@@ -202,15 +195,12 @@ def append_line(path, line):
 
 def read_log(path):
     """The records of a log.jsonl; lines that are not whole records skipped, with a note."""
-    records, skipped = [], 0
-    for line in filter(str.strip, open(path, encoding='utf-8', errors='replace')):
-        try:
-            record = json.loads(line)
-        except ValueError:
-            record = None
-        records += [record] if isinstance(record, dict) else []
-        skipped += not isinstance(record, dict)
-    if skipped:
+    def record(line):
+        with suppress(ValueError):
+            return json.loads(line)
+    lines = list(filter(str.strip, open(path, encoding='utf-8', errors='replace')))
+    records = [r for r in map(record, lines) if isinstance(r, dict)]
+    if skipped := len(lines) - len(records):
         print(f"note: {path}: skipped {skipped} line(s) that are not whole records",
               file=sys.stderr)
     return records
@@ -251,9 +241,9 @@ def in_use(path, what):  # why a folder whose lock (at path) a live run or sweep
 # -----------------------------------------------------------------------------
 # loading a checkpoint: one line for whatever is wrong with it
 
-def load(path, keys=('model', 'model_args', 'meta'), quiet=False):
-    """The checkpoint dict at path, with at least `keys`, or one error line (quiet: exit 1, as
-    torchrun's other ranks do). On the CPU: the RNG states must stay CPU tensors."""
+def load(path, state=(), quiet=False):
+    """The checkpoint dict at path (model, model_args, meta and `state`), or one error line (quiet:
+    exit 1, as torchrun's other ranks do). On the CPU: the RNG states must stay CPU tensors."""
     def refuse(why):
         fail(f"{path} {why}", quiet)
     if os.path.getsize(path) == 0:
@@ -276,22 +266,22 @@ def load(path, keys=('model', 'model_args', 'meta'), quiet=False):
     if isinstance(args, dict) and not {'n_exp', 'router'} <= set(args):
         refuse("is a dense GPT checkpoint from another project (nanoGPT?): its model_args have no "
                "n_exp or router; seqmoe loads only checkpoints written by its own train.py")
-    if missing := [k for k in keys if k not in ckpt]:
+    if missing := [k for k in ('model', 'model_args', 'meta', *state) if k not in ckpt]:
         refuse(f"is not a complete seqmoe checkpoint: it has no {', '.join(missing)} "
                f"(it has {', '.join(map(str, ckpt)) or 'nothing'})")
     if isinstance(args, dict):
         args.pop('moe_impl', None)  # a model setting once, since a choice of the scripts
-    if 'model_args' in keys and (not isinstance(args, dict) or set(args) - set(MODEL_KEYS)):
+    if not isinstance(args, dict) or set(args) - set(MODEL_KEYS):
         unknown = sorted(set(args) - set(MODEL_KEYS)) if isinstance(args, dict) else ['(no dict)']
         refuse(f"has model settings this version does not know: {', '.join(unknown)}")
-    if 'model_args' in keys and (wrong := [k for k in args if not of_its_type(k, args[k])]):
+    if wrong := [k for k in args if not of_its_type(k, args[k])]:
         refuse(f"has a model setting of the wrong type: {wrong[0]}={args[wrong[0]]!r}, not "
                f"{MODEL_TYPES[wrong[0]].__name__}; give a ckpt.pt written by train.py")
-    if 'meta' in keys and not (isinstance(meta, dict) and {'tokenizer', 'vocab_size'} <= set(meta)):
+    if not (isinstance(meta, dict) and {'tokenizer', 'vocab_size'} <= set(meta)):
         refuse("has no tokenizer in its meta; give a ckpt.pt written by train.py")
-    if 'model' in keys and not isinstance(ckpt['model'], dict):
+    if not isinstance(ckpt['model'], dict):
         refuse("has no weights (its 'model' is not a state dict)")
-    if 'model' in keys and (bad := non_finite(ckpt['model'])):
+    if bad := non_finite(ckpt['model']):
         refuse(f"holds non-finite weights (NaN or inf in {bad[0]}); it cannot be used")
     return ckpt
 
@@ -304,8 +294,7 @@ def load_to_continue(source, resume, model_args, overridden, quiet=False):
                          f"run again (--overwrite=True replaces what its folder holds), or give "
                          f"the --out_dir of the run")
     state = ('optimizer', 'iter_num', 'best_val_loss', 'batch_gen_state', 'torch_rng_state')
-    checkpoint = load(source, ('model', 'model_args', 'meta') + (state if resume else ()),
-                      quiet=quiet)
+    checkpoint = load(source, state if resume else (), quiet)
     saved = checkpoint['model_args']
     for k, value in saved.items():
         if k in overridden and k not in ROUTING_KEYS and model_args.get(k) != value:
@@ -330,16 +319,16 @@ def check_vocabulary(checkpoint, source, meta, data_dir):
                          f"({what}); {again}")
 
 
-def restore_state(checkpoint, source, optimizer, batch_gen):
-    """A resumed run's optimizer, batch stream and RNG as the checkpoint left them."""
+def restore_state(checkpoint, source, optimizer, batch_gen, quiet=False):
+    """A resumed run's optimizer, batch stream and RNG as the checkpoint left them, or one line."""
     try:
         optimizer.load_state_dict(checkpoint['optimizer'])
         batch_gen.set_state(checkpoint['batch_gen_state'])
         torch.set_rng_state(checkpoint['torch_rng_state'])
     except (ValueError, RuntimeError, TypeError, KeyError) as e:
-        raise ValueError(f"{source} has an optimizer or RNG state this run cannot restore "
-                         f"({type(e).__name__}); fine-tune from it instead: --init_from={source} "
-                         f"--out_dir=ANOTHER_DIR") from None
+        fail(f"{source} has an optimizer or RNG state this run cannot restore "
+             f"({type(e).__name__}); fine-tune from it instead: --init_from={source} "
+             f"--out_dir=ANOTHER_DIR", quiet)
 
 
 def load_weights(model, ckpt, path, quiet=False):
@@ -388,9 +377,8 @@ class Run:
     def __init__(self, out_dir, ddp, master, world_size, settings):
         self.out_dir, self.write, self.ddp, self.master = out_dir, master, ddp, master
         self.world_size, self.settings = world_size, settings  # the run's, as they go
-        self.log_path = os.path.join(out_dir, 'log.jsonl')
-        self.ckpt_path = os.path.join(out_dir, 'ckpt.pt')
-        self.lock_path = os.path.join(out_dir, LOCK)
+        self.log_path, self.ckpt_path, self.lock_path = (
+            os.path.join(out_dir, name) for name in ('log.jsonl', 'ckpt.pt', LOCK))
         self.saved_iter = self.error = self.signal = None
         self.signal_at = 0.0  # when the first signal came: torchrun passes a Ctrl-C on, too
 
@@ -398,12 +386,11 @@ class Run:
 
     def out_dir_problem(self):
         """Why out_dir cannot hold this run (None when it can), found before anything runs."""
-        path = self.out_dir
-        if os.path.isdir(path) and lock_holder(self.lock_path):
+        if os.path.isdir(self.out_dir) and lock_holder(self.lock_path):
             return in_use(self.lock_path, 'run')
-        if os.path.exists(path) and not os.path.isdir(path):
+        if os.path.exists(self.out_dir) and not os.path.isdir(self.out_dir):
             return "exists and is not a folder; give another --out_dir"
-        there = os.path.abspath(path)  # out_dir, or the folder it will be made in
+        there = os.path.abspath(self.out_dir)  # out_dir, or the folder it will be made in
         while not os.path.exists(there):
             there = os.path.dirname(there)
         if not os.path.isdir(there):
@@ -489,8 +476,7 @@ class Run:
             self.stop(self.error, 'free some space')
 
     def diverged(self, step, what):
-        if self.master:
-            self.log(dict(event='diverged', iter=step, what=what))
+        self.log(dict(event='diverged', iter=step, what=what))
         lr, min_lr = self.settings['learning_rate'], self.settings['min_lr']
         lower = dict(learning_rate=f"{lr / 10:g}") | (  # the command goes on at a tenth
             dict(min_lr=f"{lr / 10:g}") if min_lr > lr / 10 else {})
@@ -555,9 +541,8 @@ class Run:
         default = sys.excepthook
 
         def hook(kind, error, tb):
-            if not (isinstance(error, dist.DistError) or isinstance(error, RuntimeError) and any(
-                    s in str(error) for s in ('closed by peer', 'reset by peer', 'Broken pipe',
-                                              'Timed out'))):
+            lost = re.search('(closed|reset) by peer|Broken pipe|Timed out', str(error))
+            if not (isinstance(error, dist.DistError) or isinstance(error, RuntimeError) and lost):
                 return default(kind, error, tb)
             if self.master:
                 why = (str(error).strip().splitlines() or [kind.__name__])[0]

@@ -5,7 +5,6 @@ by preset files and --key=value arguments in order (`python train.py config/tiny
 with one line (fail). Also: what the device and dtype settings mean on this machine.
 """
 import ast
-import ctypes
 import ctypes.util
 import difflib
 import inspect
@@ -13,8 +12,8 @@ import math
 import os
 import platform
 import sys
-from ast import literal_eval
 from collections import namedtuple
+from contextlib import suppress
 
 import torch
 
@@ -56,10 +55,8 @@ def parse(key, raw, default):
     """--key=raw's value (or a preset's) as the type of the default, or one line saying why not."""
     value = raw
     if isinstance(raw, str) and not isinstance(default, str):  # --top_ks=8,4,2 stays text
-        try:  # a float also from nan, inf and 1e999, so that check() says they must be finite
-            value = float(raw) if isinstance(default, float) else literal_eval(raw)
-        except (ValueError, SyntaxError):
-            pass
+        with suppress(ValueError, SyntaxError):  # nan, inf, 1e999 as floats: check() says why not
+            value = float(raw) if isinstance(default, float) else ast.literal_eval(raw)
     if isinstance(default, float) and type(value) is int:
         value = float(value)
     if type(value) is not type(default):
@@ -163,10 +160,9 @@ def check(config, rules, relations=()):
         if isinstance(value, float) and not math.isfinite(value):
             stop(key, 'a finite number')
     for key, rule in rules.items():
-        try:
+        ok = False
+        with suppress(ValueError, TypeError):  # e.g. an item of a list that is not a number
             ok = rule.test(config[key])
-        except (ValueError, TypeError):  # e.g. an item of a list that is not a number
-            ok = False
         if not ok:
             stop(key, rule.allowed)
     for key, test, allowed in relations:

@@ -12,6 +12,7 @@ import math
 import os
 import sys
 import time
+import uuid
 from dataclasses import asdict, replace
 from importlib.util import find_spec
 
@@ -106,8 +107,8 @@ reads_only = eval_only and run.holds_run()  # an evaluation writes nothing into 
 if not reads_only and (problem := run.out_dir_problem()):
     fail(f"--out_dir={out_dir} {problem}")
 model_args = {k: config[k] for k in ckpt.MODEL_KEYS if k in config}
-iter_num, best_val_loss, checkpoint, run_id = 0, float('inf'), {}, ckpt.new_run_id()
-from_run = None  # the run fine-tuned from
+iter_num, best_val_loss, checkpoint, from_run = 0, float('inf'), {}, None  # from_run: its base run
+run_id = uuid.uuid4().hex[:12]  # names this run in its log, its checkpoint and a sweep's table
 source = {'scratch': None, 'resume': run.ckpt_path}.get(init_from, init_from)
 try:
     if source is not None:
@@ -195,10 +196,7 @@ if checkpoint:
 model.to(device)
 optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type)
 if init_from == 'resume':  # a fine-tune starts a fresh optimizer (and warmup) on the weights
-    try:
-        ckpt.restore_state(checkpoint, source, optimizer, batch_gen)
-    except ValueError as e:
-        fail(e)
+    ckpt.restore_state(checkpoint, source, optimizer, batch_gen, quiet=not master_process)
 run.claim()  # out_dir, held by this run until it exits (rank 0, when it writes there)
 scaler = torch.amp.GradScaler(device_type, enabled=dtype == 'float16')  # fp16: loss scaling
 raw_model, routers = model, model.routers()  # no routers: a dense GPT
