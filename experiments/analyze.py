@@ -28,6 +28,7 @@ from checkpoint import get_batch  # noqa: E402
 from compare import (format_difference, last_done, markdown, mean_std,  # noqa: E402
                      paired_difference, read_run)
 from configurator import fail, parse_args  # noqa: E402
+from stats import predictive_entropy  # noqa: E402
 from sweep import IGNORED, recorded  # noqa: E402
 
 
@@ -50,7 +51,6 @@ def runs_of(roots, router, k, like=None, compared=()):
 
 
 def val_ce(runs):
-    """{seed: val CE} of runs ({seed: run})."""
     return {seed: run['val_ce'] for seed, run in runs.items()}
 
 
@@ -248,9 +248,8 @@ def per_position(model, x, y, ks=None):
     finally:
         for router in routers:
             router.__dict__.pop('select', None)
-    logp = logits.log_softmax(-1)
-    ce = -logp.gather(-1, y[..., None])[..., 0]
-    entropy = -(logp.exp() * logp).sum(-1) / math.log(logits.shape[-1])
+    ce = -logits.log_softmax(-1).gather(-1, y[..., None])[..., 0]
+    entropy = predictive_entropy(logits)  # / log V
     experts = torch.stack([mask.sum(-1) for mask, _ in aux['routing']])  # (layers, B, T)
     spread = torch.stack([-(s * s.clamp_min(1e-12).log()).sum(-1) / math.log(s.shape[-1])
                           for _, s in aux['routing']])
