@@ -55,8 +55,8 @@ def moe_sorted(x, mask, gates, w_fc, w_proj, grouped_mm=expert_loop, n_pairs=Non
             else torch.nonzero_static(selected, size=n_pairs)).squeeze(1)
     token = pair % M  # (P,)
     offs = mask.sum(0).cumsum(0).to(torch.int32)  # (N,): where each expert's rows end
-    h = F.gelu(grouped_mm(x[token], w_fc.to(x.dtype), offs))  # (P, H)
-    gate = gates.t().reshape(-1)[pair, None]  # (P, 1)
+    h = F.gelu(grouped_mm(x.index_select(0, token), w_fc.to(x.dtype), offs))  # (P, H)
+    gate = gates.t().reshape(-1).index_select(0, pair)[:, None]  # (P, 1)
     dtype = torch.promote_types(x.dtype, torch.float32)
     # the gate on the narrower of h and y, w_proj being linear: (g h) W = g (h W)
     if h.shape[1] < x.shape[1]:
