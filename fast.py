@@ -59,7 +59,7 @@ def moe_sorted(x, mask, gates, w_fc, w_proj, grouped_mm=expert_loop, n_pairs=Non
     gate = gates.t().reshape(-1).index_select(0, pair)[:, None]  # (P, 1)
     dtype = torch.promote_types(x.dtype, torch.float32)
     # the gate on the narrower of h and y, w_proj being linear: (g h) W = g (h W)
-    if h.shape[1] < x.shape[1]:
+    if h.shape[1] <= x.shape[1]:
         y = grouped_mm(h * gate.to(h.dtype), w_proj.to(x.dtype), offs).to(dtype)  # (P, C)
     else:
         y = grouped_mm(h, w_proj.to(x.dtype), offs).to(dtype) * gate.to(dtype)  # (P, C)
