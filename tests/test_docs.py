@@ -85,8 +85,8 @@ def test_every_command_in_the_docs_names_a_script_and_settings_it_has_today():
     for words in (words for doc in DOCS for words in commands(doc)):
         start = next((i for i, w in enumerate(words) if w in ('python', 'torchrun')), len(words))
         at = next((i for i, w in enumerate(words) if i > start and w.endswith('.py')), None)
-        if at is None:  # pip, bash, jupyter, ruff; python -m pytest; `python -` (a stdin script)
-            continue
+        if at is None or words[at].startswith('$'):  # pip, bash, jupyter, ruff; pytest; `python
+            continue  # -` (a stdin script); a script beside the checkout ($S/gpu_step.py)
         if bad := problems(words[at], words[at + 1:]):
             wrong.append(f"{shlex.join(words)}: {', '.join(bad)}")
         checked += 1

@@ -823,7 +823,8 @@ def test_the_gpu_script_runs_every_part_on_the_cpu_with_tiny_sizes(prepared, tmp
     # the parts' limits out of reach (x1000: hours), so that a busy machine cannot fail a part;
     # the limits themselves are tested with commands that sleep (the next test)
     result = subprocess.run(['bash', os.path.join(REPO, 'experiments', 'gpu.sh'), 'gpu', '--cpu'],
-                            cwd=tmp_path, env=dict(OFFLINE_ENV, GPU_SH_SCALE='1000'),
+                            cwd=tmp_path, env=dict(OFFLINE_ENV, GPU_SH_SCALE='1000', PATH=(
+                                f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}")),
                             capture_output=True, text=True, timeout=4 * HANG)  # a hang
     assert result.returncode == 0 and 'total: ' in result.stdout, result.stderr
     out = tmp_path / 'gpu'
