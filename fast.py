@@ -190,7 +190,8 @@ def cached_at_least(past, candidates):
 def online_seqtopk_counted(scores, k, min_k, max_k, strict=False, past=None, spent=None,
                            n_past=None):
     """router.online_seqtopk_mask for new tokens (B, T, N) after the Expert Cache past (B, P, R)
-    of n_past tokens (default P; rows past them unwritten: a static buffer) that took spent (B,)."""
+    of n_past tokens (default P; rows past them unwritten: a static buffer) that took spent (B,):
+    the mask and the new tokens' Expert Cache rows (B, T, R)."""
     B, T, N = scores.shape
     R = max_k - min_k  # a token's candidates: its entries of rank [min_k, max_k)
     P = 0 if past is None else past.shape[1]
@@ -206,8 +207,9 @@ def online_seqtopk_counted(scores, k, min_k, max_k, strict=False, past=None, spe
     # before it: earlier tokens' scoring >= it (earlier tokens win ties) and its token's better
     # ranks. `before` counts them, the candidate itself included.
     if T == 1:  # a decoding step
-        return online_token_counted(scores[:, 0], past, n_past, k, min_k, max_k,
-                                    spent if strict else None)[:, None]
+        mask = online_token_counted(scores[:, 0], ranked[:, 0], order[:, 0], past, n_past, k,
+                                    min_k, max_k, spent if strict else None)
+        return mask[:, None], candidates
     # Sort the new candidates once (stable over the token-major flattening: ties go by token, then
     # rank); those before a candidate of token m are the ones placed at or ahead of it that belong
     # to tokens <= m. Counted in blocks of S tokens, ~T*T*R/S + T*S*R*R work: earlier blocks' by a
@@ -242,17 +244,17 @@ def online_seqtopk_counted(scores, k, min_k, max_k, strict=False, past=None, spe
         capped = total + slack[:, 1:]
         counts = capped - torch.cat([spent[:, None], capped[:, :-1]], dim=1)
     rank = torch.arange(max_k, device=dev)  # a token takes its experts of rank < its count
-    return torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, order, rank < counts[..., None])
+    taken = rank < counts[..., None]  # (B, T, max_k)
+    return torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, order, taken), candidates
 
 
-def online_token_counted(scores, past, n_past, k, min_k, max_k, spent=None):
-    """router.online_seqtopk_token by counting, for token m = n_past + 1 (scores (B, N)) after the
-    Expert Cache past (B, P, R) of n_past tokens (past None: none; no row past them): its
-    candidate of rank r wins when fewer than m*(k - min_k) candidates come before it, the cached
-    ones scoring at least as high (earlier tokens win ties) and its own r better ranks."""
-    B, N = scores.shape
-    R, m = max_k - min_k, n_past + 1
-    ranked, order = scores.topk(max_k, dim=-1)  # (B, max_k), as router.py ranks them
+def online_token_counted(scores, ranked, order, past, n_past, k, min_k, max_k, spent=None):
+    """router.online_seqtopk_token by counting, for token m = n_past + 1 (scores (B, N), their
+    best max_k ranked (B, max_k) with their experts' order) after the Expert Cache past (B, P, R)
+    of n_past tokens (past None: none; no row past them): its candidate of rank r wins when fewer
+    than m*(k - min_k) candidates come before it, the cached ones scoring at least as high
+    (earlier tokens win ties) and its own r better ranks."""
+    B, R, m = scores.shape[0], max_k - min_k, n_past + 1
     rank = torch.arange(max_k, device=scores.device)
     ahead = rank[:R].expand(B, R)  # (B, R): its better ranks
     if past is not None:  # (B, R): the cached ones at least as high

@@ -89,7 +89,8 @@ def online_seqtopk_mask(scores, k, min_k=1, max_k=None, strict=False, cached=Non
     """Eq. (7) for each of T tokens (B, T, N) in turn, against the Expert Cache of the
     tokens before it: cached (B, P, R) of P earlier tokens (default none) that took
     spent (B,) experts, then the new tokens' own rows. strict: no prefix of m tokens
-    takes more than m*k."""
+    takes more than m*k. The mask (B, T, N) and the new tokens' rows (B, T, R): what the
+    Expert Cache keeps of them (Eq. 6)."""
     B, T, N = scores.shape
     min_k, max_k = seqtopk_bounds(k, N, min_k, max_k)
     rows = expert_cache_rows(scores, min_k, max_k)  # (B, T, R)
@@ -101,7 +102,7 @@ def online_seqtopk_mask(scores, k, min_k=1, max_k=None, strict=False, cached=Non
         masks.append(online_seqtopk_token(scores[:, t], before, k, min_k, max_k,
                                           spent if strict else None))
         spent = spent + masks[-1].sum(-1)
-    return torch.stack(masks, dim=1)  # (B, T, N)
+    return torch.stack(masks, dim=1), rows  # (B, T, N), (B, T, R)
 
 
 def batchtopk_mask(scores, k):
@@ -157,9 +158,10 @@ def switch_balance(probs, mask, k):
 # the routers in the model: what each one changes of the base
 
 class Router(nn.Module):
-    """Token features (B, T, C) -> mask, gates, scores (each (B, T, N)) and the aux loss.
-    A router says how it selects (`select`). Its buffers are its state."""
-    online = False  # it has an online rule, for a token that sees only the tokens before it
+    """Token features (B, T, C) -> mask, gates, scores (each (B, T, N)), the aux loss and
+    the rows the Expert Cache keeps of the tokens (`decide`). A router says how it selects
+    (`select`). Its buffers are its state."""
+    online = False  # it has an online rule (decide): a token sees only the earlier ones
     per_step_k = False  # it trains with each step's k (draw, train.py's k_schedule)
 
     def __init__(self, config):
@@ -192,16 +194,16 @@ class Router(nn.Module):
             logits = F.linear(x.float(), self.gate.weight.float())  # (B, T, N)
         scores = (logits.softmax(dim=-1) if cfg.score_func == 'softmax' else
                   logits.sigmoid() if cfg.score_func == 'sigmoid' else logits.relu())
-        mask, gates = self.route(logits, scores, past, online)
+        mask, gates, rows = self.route(logits, scores, past, online)
         aux = 0.0 if past is not None else self.aux_loss(logits, scores, mask, gates)
-        return mask, gates, scores, aux
+        return mask, gates, scores, aux, rows
 
     def route(self, logits, scores, past, online):
         cfg = self.config
-        mask = self.select(self.choice(scores), past, online)
+        mask, rows = self.decide(self.choice(scores), past, online)
         if cfg.balance == 'bias' and self.training:
             self.expert_load.add_(mask.sum(dim=(0, 1)))
-        return mask, routing_weights(scores, mask, cfg.norm_topk_prob, self.route_scale)
+        return mask, routing_weights(scores, mask, cfg.norm_topk_prob, self.route_scale), rows
 
     def choice(self, scores):
         """What the router ranks: the scores, plus the balancing bias (balance='bias'). A NaN
@@ -210,8 +212,13 @@ class Router(nn.Module):
         choice = scores + self.expert_bias if self.config.balance == 'bias' else scores
         return choice.masked_fill(choice.isnan(), float('-inf'))
 
-    def select(self, choice, past, online):  # choice (B, T, N) -> mask (B, T, N)
+    def select(self, choice):  # choice (B, T, N) -> mask (B, T, N)
         raise NotImplementedError
+
+    def decide(self, choice, past, online):
+        """The mask, and what the Expert Cache keeps of these tokens (rows, Eq. 6) where there
+        is one (past given) and the router has an online rule; else None."""
+        return self.select(choice), None
 
     def current_k(self):  # experts per token now: top_k, or this training step's k
         return self.k if self.training and self.per_step_k else self.config.top_k
@@ -251,7 +258,7 @@ class TopK(Router):
     """TopK: each token its own k best experts (Eq. 3)."""
     per_step_k = True
 
-    def select(self, choice, past, online):
+    def select(self, choice):
         return topk_mask(choice, self.current_k())
 
 
@@ -279,17 +286,16 @@ class SeqTopK(Router):
     def bounds(cfg):
         return seqtopk_bounds(cfg.top_k, cfg.n_exp, cfg.seq_min_k, cfg.seq_max_k)
 
-    def offline(self, choice):  # Eq. 5: the whole sequence at once
+    def select(self, choice):  # Eq. 5: the whole sequence at once
         return seqtopk_mask(choice, self.config.top_k, self.min_k, self.max_k)
 
-    def select(self, choice, past, online):
-        if not online:
-            return self.offline(choice)
+    def decide(self, choice, past, online):
         strict, k = self.config.seq_budget == 'strict', self.config.top_k
-        return self.online_rule(choice, k, self.min_k, self.max_k, strict, *(past or ()))
-
-    def cache_rows(self, scores):  # what the Expert Cache keeps of new tokens (B, T, R)
-        return expert_cache_rows(self.choice(scores), self.min_k, self.max_k)
+        if online:  # Eq. 7, after the Expert Cache past
+            return self.online_rule(choice, k, self.min_k, self.max_k, strict, *(past or ()))
+        # Eq. 5 at once; with an Expert Cache (a prompt routed jointly) it keeps the rows
+        rows = None if past is None else expert_cache_rows(choice, self.min_k, self.max_k)
+        return self.select(choice), rows
 
 
 class BatchTopK(Router):
@@ -304,7 +310,7 @@ class BatchTopK(Router):
         self.register_buffer('smallest_sum', torch.zeros(()))  # since the last step,
         self.register_buffer('smallest_count', torch.zeros(()))  # its micro-batches
 
-    def select(self, choice, past, online):
+    def select(self, choice):
         if not self.training:
             return choice > self.threshold
         mask = batchtopk_mask(choice, self.config.top_k)
@@ -349,7 +355,7 @@ class WindowTopK(SeqTopK):
     def bounds(cfg):
         return seqtopk_bounds(cfg.top_k, cfg.n_exp, cfg.window_floor, cfg.n_exp)
 
-    def offline(self, choice):
+    def select(self, choice):
         return windowtopk_mask(choice, self.config.top_k, self.config.window_floor)
 
 
@@ -378,7 +384,7 @@ class ReLU(Router):
             with torch.no_grad():
                 self.active_sum.add_(mask.float().mean())
                 self.active_count.add_(1)
-        return mask, gates
+        return mask, gates, None
 
     def aux_loss(self, logits, scores, mask, gates):
         # ReMoE's one regulariser and balancer: lambda x the Switch formula on the gates

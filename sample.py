@@ -243,8 +243,9 @@ def compiled_decode(model, slots=None):
             raise ValueError("a compiled decoding step decodes with a StaticCache")
         if idx.shape[1] > 1 or not online:
             return prompt.decode_token(idx, cache, online)
-        if idx.is_cuda:
-            torch.compiler.cudagraph_mark_step_begin()  # the last step's outputs are read: replay
+        if idx.is_cuda:  # static slots; the last step's outputs are read: replay
+            torch.compiler.cudagraph_mark_step_begin()
+            return compiled(idx, cache)
         with torch._dynamo.config.patch(capture_scalar_outputs=True):  # the CPU's slot count
             return compiled(idx, cache)
     return decode

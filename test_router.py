@@ -159,7 +159,7 @@ def test_the_counted_decoding_step_equals_eq_7_against_a_static_buffer_of_the_ex
                 cap = spent if strict else None
                 want = online_seqtopk_token(scores[:, m - 1], rows[:, :m - 1], k, min_k, max_k, cap)
                 got = fast.online_seqtopk_counted(scores[:, m - 1:m], k, min_k, max_k, strict,
-                                                  buffer, spent, torch.tensor([m - 1]))[:, 0]
+                                                  buffer, spent, torch.tensor([m - 1]))[0][:, 0]
                 assert torch.equal(got, want)
                 buffer[:, m - 1] = rows[:, m - 1]
                 spent += want.sum(-1)
@@ -214,7 +214,7 @@ def test_unknown_router_is_a_clear_error():
 @pytest.mark.parametrize("ties", [False, True])
 def test_online_seqtopk_routes_token_m_as_seqtopk_over_tokens_1_to_m(k, min_k, max_k, ties):
     scores = random_scores(3, 12, 8, seed=3, ties=ties)
-    mask = online_seqtopk_mask(scores, k, min_k, max_k)
+    mask, _ = online_seqtopk_mask(scores, k, min_k, max_k)
     for m in range(1, 13):  # Eq. (7): token m's row of SeqTopK over tokens 1..m
         assert torch.equal(mask[:, m - 1], seqtopk_mask(scores[:, :m], k, min_k, max_k)[:, m - 1])
     low, high = min_k, max_k or k + 2
@@ -245,16 +245,17 @@ def test_the_fast_online_seqtopk_equals_the_reference_whole_and_in_pieces(strict
         for k, min_k, max_k in [(2, 1, 4), (2, 0, 8), (3, 1, 8), (2, 2, 2)]:
             # 40 tokens: two blocks of 16 and a part
             scores = random_scores(3, 40, 8, seed=k, ties=ties)
-            reference = online_seqtopk_mask(scores, k, min_k, max_k, strict=strict)
-            assert torch.equal(fast.online_seqtopk_counted(scores, k, min_k, max_k, strict=strict),
-                               reference)
+            reference, rows = online_seqtopk_mask(scores, k, min_k, max_k, strict=strict)
+            assert torch.equal(rows, expert_cache_rows(scores, min_k, max_k))  # what it keeps
+            mask, counted_rows = fast.online_seqtopk_counted(scores, k, min_k, max_k, strict=strict)
+            assert torch.equal(mask, reference) and torch.equal(counted_rows, rows)
             # the same routing when the sequence arrives in pieces, the earlier ones in the Expert
             # Cache
             past, spent, pieces = None, torch.zeros(3, dtype=torch.long), []
             for start, end in [(0, 5), (5, 6), (6, 13), (13, 14), (14, 37), (37, 40)]:
-                piece = fast.online_seqtopk_counted(scores[:, start:end], k, min_k, max_k,
-                                                    strict, past, spent)
-                rows = expert_cache_rows(scores[:, start:end], min_k, max_k)
+                piece, rows = fast.online_seqtopk_counted(scores[:, start:end], k, min_k, max_k,
+                                                          strict, past, spent)
+                assert torch.equal(rows, expert_cache_rows(scores[:, start:end], min_k, max_k))
                 past = rows if past is None else torch.cat([past, rows], dim=1)
                 spent = spent + piece.sum(dim=(1, 2))
                 pieces.append(piece)
@@ -266,30 +267,31 @@ def test_online_seqtopk_routes_each_sequence_of_a_large_batch_as_it_would_alone(
     # against the Expert Cache); a sequence's routing must not depend on the chunking
     scores = random_scores(64, 576, 16, seed=5, ties=True)
     rows = expert_cache_rows(scores[:, :512], 1, 6)
-    mask = fast.online_seqtopk_counted(scores[:, :512], 4, 1, 6)
-    more = fast.online_seqtopk_counted(scores[:, 512:], 4, 1, 6, past=rows)
+    mask = fast.online_seqtopk_counted(scores[:, :512], 4, 1, 6)[0]
+    more = fast.online_seqtopk_counted(scores[:, 512:], 4, 1, 6, past=rows)[0]
     for b in (0, 41, 63):
-        alone = fast.online_seqtopk_counted(scores[b:b + 1, :512], 4, 1, 6)
-        alone_more = fast.online_seqtopk_counted(scores[b:b + 1, 512:], 4, 1, 6, past=rows[b:b + 1])
+        alone = fast.online_seqtopk_counted(scores[b:b + 1, :512], 4, 1, 6)[0]
+        alone_more = fast.online_seqtopk_counted(scores[b:b + 1, 512:], 4, 1, 6,
+                                                 past=rows[b:b + 1])[0]
         assert torch.equal(mask[b:b + 1], alone) and torch.equal(more[b:b + 1], alone_more)
 
 
 def test_online_seqtopk_is_causal_and_starts_as_topk():
     scores = random_scores(2, 24, 8, seed=1)
-    mask = online_seqtopk_mask(scores, 2)
+    mask, _ = online_seqtopk_mask(scores, 2)
     # position 1 is routed as topk
     assert torch.equal(mask[:, 0], topk_mask(scores[:, :1], 2)[:, 0])
     for m in (1, 7, 15):
         changed = scores.clone()
         changed[:, m:] = random_scores(2, 24 - m, 8, seed=99 + m)
-        assert torch.equal(online_seqtopk_mask(changed, 2)[:, :m], mask[:, :m])
+        assert torch.equal(online_seqtopk_mask(changed, 2)[0][:, :m], mask[:, :m])
 
 
 def test_strict_budget_never_overspends_a_prefix_while_plain_can():
     scores = random_scores(16, 64, 8, seed=2, ties=True)
     budget = 2 * torch.arange(1, 65)
-    plain = fast.online_seqtopk_counted(scores, 2, 1, 4)
-    strict = fast.online_seqtopk_counted(scores, 2, 1, 4, strict=True)
+    plain = fast.online_seqtopk_counted(scores, 2, 1, 4)[0]
+    strict = fast.online_seqtopk_counted(scores, 2, 1, 4, strict=True)[0]
     assert (plain.sum(-1).cumsum(-1) > budget).any()  # the paper's plain rule does overspend
     assert (strict.sum(-1).cumsum(-1) <= budget).all() and (strict.sum(-1) >= 1).all()
 
@@ -335,7 +337,7 @@ def test_windowtopk_on_one_sequence_is_seqtopk_without_bounds_plus_each_token_s_
 def test_windowtopk_routed_online_still_gives_every_token_its_floor():
     # causal evaluation and decoding route windowtopk by Eq. 7 with its floor as the lower bound
     router = ROUTERS['windowtopk'](tiny_config('windowtopk', n_exp=8, top_k=4, window_floor=2))
-    taken = router.select(random_scores(2, 16, 8, seed=4), None, online=True).sum(-1)  # (B, T)
+    taken = router.decide(random_scores(2, 16, 8, seed=4), None, True)[0].sum(-1)  # (B, T)
     assert taken.min() >= 2 and taken.max() > 4
 
 
@@ -364,7 +366,7 @@ def test_relu_scores_make_the_gates_remoe_s_relu_of_the_logits_on_any_selection(
     x = torch.randn(2, 12, 32, generator=torch.Generator().manual_seed(0))
     for name in ('topk', 'seqtopk'):
         router = ROUTERS[name](tiny_config(name, score_func='relu'))
-        mask, gates, scores, aux = router(x)
+        mask, gates, scores, aux, _ = router(x)
         assert router.route_scale == 1  # auto: ReMoE's gates, unscaled
         torch.testing.assert_close(gates, (x @ router.gate.weight.t()).relu() * mask)
         assert torch.isfinite(aux)
@@ -391,10 +393,10 @@ def test_batchtopk_evaluation_does_not_depend_on_the_rest_of_the_batch():
 
 def test_batchtopk_s_first_training_step_sets_its_threshold_and_later_steps_move_it():
     router = ROUTERS['batchtopk'](tiny_config('batchtopk', n_exp=4, top_k=1))
-    router.select(torch.full((2, 8, 4), 0.5), None, False)
+    router.select(torch.full((2, 8, 4), 0.5))
     router.after_step([router])
     assert router.threshold.item() == 0.5  # the smallest selected score itself, not 1% of it
-    router.select(torch.full((2, 8, 4), 0.7), None, False)
+    router.select(torch.full((2, 8, 4), 0.7))
     router.after_step([router])
     assert router.threshold.item() == pytest.approx(0.99 * 0.5 + 0.01 * 0.7)  # an EMA step
 
@@ -405,11 +407,11 @@ def test_batchtopk_keeps_a_threshold_at_or_below_zero_once_a_training_step_set_i
     assert router.needs_calibration()  # no training step seen yet
     scores = torch.zeros(2, 8, 4)
     scores[:, :4, 0] = 1.0  # 16 of the 16 entries taken include zeros: the smallest selected is 0
-    router.select(scores, None, False)
+    router.select(scores)
     router.after_step([router])
     assert router.threshold.item() == 0.0 and not router.needs_calibration()
     for value in (2.0, 4.0):  # two micro-batches of one step: one EMA step, from their mean
-        router.select(torch.full((2, 8, 4), value), None, False)
+        router.select(torch.full((2, 8, 4), value))
     router.after_step([router])
     assert router.threshold.item() == pytest.approx((1 - 0.99) * 3.0)
 
@@ -541,7 +543,7 @@ def test_a_new_router_is_one_function_a_small_class_and_a_row_in_the_table(monke
         chosen = (first + torch.arange(k)) % scores.shape[-1]
         return torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, chosen, True)
     class Rotating(Router):
-        def select(self, scores, cache, online):
+        def select(self, scores):
             return rotating_mask(scores, self.current_k())
     monkeypatch.setitem(ROUTERS, 'rotating', Rotating)
     torch.manual_seed(0)
@@ -566,7 +568,7 @@ def test_the_gates_are_route_scale_times_the_selected_scores():
                                                     score_func=score_func))
             # as GPT initialises it: near-uniform scores
             torch.nn.init.normal_(router.gate.weight, std=0.02)
-            mask, weights, scores, _ = router(x)
+            mask, weights, scores, *_ = router(x)
             # sigmoid scores start near 1/2
             want_scale = want if scale or score_func == 'softmax' else 2
             assert router.route_scale == want_scale
@@ -609,10 +611,10 @@ def test_the_balance_bias_changes_which_experts_are_chosen_never_the_gate_values
     torch.manual_seed(0)
     router = ROUTERS[router_name](tiny_config(router_name, balance='bias', n_exp=8)).train()
     x = torch.randn(2, 16, 32)
-    mask, weights, scores, _ = router(x)
+    mask, weights, scores, *_ = router(x)
     # larger than any softmax score gap: every token now chooses expert 5
     router.expert_bias[5] = 1.0
-    biased_mask, biased_weights, biased_scores, _ = router(x)
+    biased_mask, biased_weights, biased_scores, *_ = router(x)
     assert not mask[..., 5].all() and biased_mask[..., 5].all()
     torch.testing.assert_close(biased_scores, scores)  # the scores, and so the gates, are unbiased
     torch.testing.assert_close(biased_weights, router.route_scale * scores * biased_mask)

@@ -370,7 +370,7 @@ def sample_routing(out_dir, prompt, new_tokens, seed=0):
 def explain(runs=(), prompt='ROMEO:', new_tokens=120):
     """{name: figure}: selection.png, batch.png, online.png and (with runs) tokens.png."""
     k, one = 2, example_scores()
-    offline, online = seqtopk_mask(one, k)[0], online_seqtopk_mask(one, k)[0]
+    offline, online = seqtopk_mask(one, k)[0], online_seqtopk_mask(one, k)[0][0]
     figures = {'selection.png': explain_selections(one, k),
                'batch.png': explain_selections(example_scores(B=2, seed=3), k),
                'online.png': selection_figure(one[0], [offline, online], [

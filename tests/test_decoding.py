@@ -146,6 +146,26 @@ def test_a_prompt_routed_jointly_takes_offline_seqtopk_then_decodes_online():
     assert not all(alone)  # the cache decided: as first tokens, some would take other experts
 
 
+@pytest.mark.parametrize("paths", [lambda m: m, fast.paths])
+def test_a_decoded_token_ranks_each_layer_s_scores_once_for_its_choice_and_its_cache_rows(
+        paths, monkeypatch):
+    # the online rule returns the rows the Expert Cache keeps (Eq. 6) with its decision: the layer
+    # appends them, and nothing ranks the token's scores again for the cache
+    model = paths(trained_tiny('seqtopk'))
+    cache = Cache(model.config)
+    model.decode_token(torch.randint(0, 16, (2, 6)), cache)  # the prompt, token by token
+    ranked = []
+    real_topk = torch.Tensor.topk
+    monkeypatch.setattr(torch.Tensor, 'topk', lambda t, *a, **kw: ranked.append(t.shape)
+                        or real_topk(t, *a, **kw))
+    model.decode_token(torch.randint(0, 16, (2, 1)), cache)
+    # the plain rule ranks the token once for its rows and once for its own decision (Eq. 7's
+    # top m*(K - min_k), a topk of the candidates too); counted, one ranking in all
+    per_layer = 3 if paths is not fast.paths else 1
+    assert len(ranked) == per_layer * len(model.routers())
+    assert cache.layers[0].expert_cache.shape[1] == 7 and cache.layers[0].spent.shape == (2,)
+
+
 @pytest.mark.parametrize("router", ["seqtopk", "topk"])
 def test_eager_generation_runs_the_plain_definitions_not_fast_py(router, monkeypatch):
     model = trained_tiny(router)
