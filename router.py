@@ -158,9 +158,8 @@ def switch_balance(probs, mask, k):
 # the routers in the model: what each one changes of the base
 
 class Router(nn.Module):
-    """Token features (B, T, C) -> mask, gates, scores (each (B, T, N)), the aux loss and
-    the rows the Expert Cache keeps of the tokens (`decide`). A router says how it selects
-    (`select`). Its buffers are its state."""
+    """Token features (B, T, C) -> mask, gates, scores (each (B, T, N)), aux loss, Expert
+    Cache rows (`decide`). A router says how it selects (`select`). Its buffers: its state."""
     online = False  # it has an online rule (decide): a token sees only the earlier ones
     per_step_k = False  # it trains with each step's k (draw, train.py's k_schedule)
 
@@ -215,10 +214,8 @@ class Router(nn.Module):
     def select(self, choice):  # choice (B, T, N) -> mask (B, T, N)
         raise NotImplementedError
 
-    def decide(self, choice, past, online):
-        """The mask, and what the Expert Cache keeps of these tokens (rows, Eq. 6) where there
-        is one (past given) and the router has an online rule; else None."""
-        return self.select(choice), None
+    def decide(self, choice, past, online):  # the mask, and the rows an Expert Cache keeps
+        return self.select(choice), None  # (Eq. 6): a router with an online rule's, given past
 
     def current_k(self):  # experts per token now: top_k, or this training step's k
         return self.k if self.training and self.per_step_k else self.config.top_k
