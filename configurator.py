@@ -4,6 +4,7 @@ by preset files and --key=value arguments in order (`python train.py config/tiny
 --help lists them. Each is checked by a rule before anything runs, a bad one stopping the script
 with one line (fail). Also: what the device and dtype settings mean on this machine.
 """
+import argparse
 import ast
 import ctypes.util
 import difflib
@@ -26,11 +27,13 @@ def fail(message, quiet=False):
     raise SystemExit(1 if quiet else f"error: {message}")
 
 
-def parse_args(parser, argv=None):
-    """argparse's arguments for the scripts that use it, each error one line (fail), not its
+def arg_parser(doc):
+    """argparse for the scripts that use it, doc its --help: each error one line (fail), not its
     usage block."""
+    parser = argparse.ArgumentParser(description=doc,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.error = lambda message: fail(f"{message} (--help lists the options)")
-    return parser.parse_args(argv)
+    return parser
 
 
 def settings_block(path, dataclass=None):
