@@ -22,13 +22,12 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the model's files
 
-from plot import save_figure, side_by_side  # noqa: E402
-from checkpoint import get_batch  # noqa: E402
-from compare import (format_difference, last_done, markdown, mean_std,  # noqa: E402
-                     paired_difference, read_run)
-from configurator import arg_parser, fail  # noqa: E402
-from stats import predictive_entropy  # noqa: E402
-from sweep import IGNORED, recorded  # noqa: E402
+from plot import save_figure, side_by_side
+from checkpoint import get_batch
+from compare import format_difference, last_done, markdown, mean_std, paired_difference, read_run
+from configurator import arg_parser, fail
+from stats import predictive_entropy
+from sweep import IGNORED, recorded
 
 
 def runs_of(roots, router, k, like=None, compared=()):

@@ -12,7 +12,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the model's files
 
-from checkpoint import read_log  # noqa: E402
+from checkpoint import read_log
 
 
 def read_run(out_dir):

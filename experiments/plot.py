@@ -23,15 +23,15 @@ import torch
 
 if __name__ == '__main__':
     matplotlib.use('Agg')  # files only, no display (imported, e.g. by the walkthrough: its own)
-import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.patches import Rectangle  # noqa: E402
+import matplotlib.pyplot as plt
+from matplotlib.patches import Rectangle
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from configurator import arg_parser, fail  # noqa: E402
-from router import batchtopk_mask, online_seqtopk_mask, seqtopk_mask, topk_mask  # noqa: E402
-from compare import read_run  # noqa: E402
-from stats import layer_mean, summed_histogram  # noqa: E402
+from configurator import arg_parser, fail
+from router import batchtopk_mask, online_seqtopk_mask, seqtopk_mask, topk_mask
+from compare import read_run
+from stats import layer_mean, summed_histogram
 
 
 def save_figure(fig, out, name):  # the one way a picture is written: 120 dpi, closed
@@ -304,7 +304,7 @@ def token_figure(texts, counts, top_ks, titles, width=40):
     red more."""
     from sample import shade
     cmap = plt.get_cmap('coolwarm')
-    colour = lambda n, k: cmap(0.5 + 0.5 * shade(int(n), k))  # noqa: E731
+    colour = lambda n, k: cmap(0.5 + 0.5 * shade(int(n), k))
     shown = [[token.replace('\n', '⏎').replace(' ', '·')[:width] for token in text]
              for text in texts]
     places = [layout(text, width) for text in shown]  # a word piece as wide as its text
