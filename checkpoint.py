@@ -17,6 +17,7 @@ import sys
 import tempfile
 import time
 import warnings
+from collections import defaultdict
 from contextlib import contextmanager, suppress
 from dataclasses import fields
 
@@ -193,14 +194,21 @@ def append_line(path, line):
         raise
 
 
-def read_log(path):
-    """The records of a log.jsonl; lines that are not whole records skipped, with a note."""
+def read_run(out_dir):
+    """A run's log.jsonl by event, {'eval': [...], ...} ([] for one it lacks), lines that are not
+    whole records skipped with a note; None without one."""
+    path = os.path.join(out_dir, 'log.jsonl')
+    if not os.path.exists(path):
+        return None
     def record(line):
         with suppress(ValueError):
             return json.loads(line)
     lines = list(filter(str.strip, open(path, encoding='utf-8', errors='replace')))
-    records = [r for r in map(record, lines) if isinstance(r, dict)]
-    if skipped := len(lines) - len(records):
+    records = defaultdict(list)
+    for r in map(record, lines):
+        if isinstance(r, dict):
+            records[r.get('event')].append(r)
+    if skipped := len(lines) - sum(map(len, records.values())):
         print(f"note: {path}: skipped {skipped} line(s) that are not whole records",
               file=sys.stderr)
     return records
@@ -402,12 +410,11 @@ class Run:
 
     def holds_run(self):
         """Whether out_dir holds a training run: a checkpoint, or a log a training run started."""
-        return os.path.exists(self.ckpt_path) or os.path.exists(self.log_path) and any(
-            r.get('event') == 'start' and not r.get('eval_only') for r in read_log(self.log_path))
+        return os.path.exists(self.ckpt_path) or any(
+            not r.get('eval_only') for r in (read_run(self.out_dir) or {}).get('start', ()))
 
     def logged_run_id(self):  # the id of the run that started its log, or None
-        starts = [r for r in read_log(self.log_path) if r.get('event') == 'start'] \
-            if os.path.exists(self.log_path) else []
+        starts = (read_run(self.out_dir) or {}).get('start')
         return starts[-1].get('run_id') if starts else None
 
     def claim(self):

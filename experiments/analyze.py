@@ -23,8 +23,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the model's files
 
 from plot import save_figure, side_by_side
-from checkpoint import get_batch
-from compare import format_difference, last_done, markdown, mean_std, paired_difference, read_run
+from checkpoint import get_batch, read_run
+from compare import format_difference, last_done, markdown, mean_std, paired_difference
 from configurator import arg_parser, fail
 from stats import predictive_entropy
 from sweep import IGNORED, recorded

@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from configurator import arg_parser, fail
 from router import batchtopk_mask, online_seqtopk_mask, seqtopk_mask, topk_mask
-from compare import read_run
+from checkpoint import read_run
 from stats import layer_mean, summed_histogram
 
 
