@@ -40,18 +40,13 @@ HELD = []  # the lock files this process holds, open until it exits
 
 def code_version():
     """This code's commit ('1a2b3c4', '+dirty' with uncommitted changes); None outside git."""
-    def git(*args):
-        return subprocess.run(['git', '-C', os.path.dirname(os.path.abspath(__file__)), *args],
-                              capture_output=True, text=True, timeout=30)
-    try:
-        commit, dirty = git('rev-parse', '--short', 'HEAD'), git('status', '--porcelain', '-uno')
+    try:  # the short hash, every tag excluded
+        git = subprocess.run(['git', '-C', os.path.dirname(os.path.abspath(__file__)), 'describe',
+                              '--always', '--dirty=+dirty', '--exclude=*'],
+                             capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.SubprocessError):
         return None
-    return None if commit.returncode else commit.stdout.strip() + '+dirty' * bool(dirty.stdout)
-
-
-def of_its_type(key, value):  # a model setting as GPTConfig types it (a float one: an int too)
-    return type(value) is MODEL_TYPES[key] or MODEL_TYPES[key] is float and type(value) is int
+    return None if git.returncode else git.stdout.strip()
 
 
 def non_finite(state_dict):  # the names of the tensors holding a NaN or an inf
@@ -282,7 +277,8 @@ def load(path, state=(), quiet=False):
     if not isinstance(args, dict) or set(args) - set(MODEL_KEYS):
         unknown = sorted(set(args) - set(MODEL_KEYS)) if isinstance(args, dict) else ['(no dict)']
         refuse(f"has model settings this version does not know: {', '.join(unknown)}")
-    if wrong := [k for k in args if not of_its_type(k, args[k])]:
+    if wrong := [k for k, v in args.items() if type(v) is not MODEL_TYPES[k] and not (
+            MODEL_TYPES[k] is float and type(v) is int)]:  # a float setting: an int too
         refuse(f"has a model setting of the wrong type: {wrong[0]}={args[wrong[0]]!r}, not "
                f"{MODEL_TYPES[wrong[0]].__name__}; give a ckpt.pt written by train.py")
     if not (isinstance(meta, dict) and {'tokenizer', 'vocab_size'} <= set(meta)):
