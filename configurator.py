@@ -4,7 +4,6 @@ by preset files and --key=value arguments in order (`python train.py config/tiny
 --help lists them. Each is checked by a rule before anything runs, a bad one stopping the script
 with one line (fail). Also: what the device and dtype settings mean on this machine.
 """
-import argparse
 import ast
 import ctypes.util
 import difflib
@@ -13,6 +12,7 @@ import math
 import os
 import platform
 import sys
+from argparse import ArgumentParser, RawDescriptionHelpFormatter
 from collections import namedtuple
 from contextlib import suppress
 
@@ -30,8 +30,7 @@ def fail(message, quiet=False):
 def arg_parser(doc):
     """argparse for the scripts that use it, doc its --help: each error one line (fail), not its
     usage block."""
-    parser = argparse.ArgumentParser(description=doc,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(description=doc, formatter_class=RawDescriptionHelpFormatter)
     parser.error = lambda message: fail(f"{message} (--help lists the options)")
     return parser
 
