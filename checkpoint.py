@@ -17,6 +17,7 @@ import sys
 import tempfile
 import time
 import warnings
+from collections import defaultdict
 from contextlib import contextmanager, suppress
 from dataclasses import fields
 
@@ -39,18 +40,13 @@ HELD = []  # the lock files this process holds, open until it exits
 
 def code_version():
     """This code's commit ('1a2b3c4', '+dirty' with uncommitted changes); None outside git."""
-    def git(*args):
-        return subprocess.run(['git', '-C', os.path.dirname(os.path.abspath(__file__)), *args],
-                              capture_output=True, text=True, timeout=30)
-    try:
-        commit, dirty = git('rev-parse', '--short', 'HEAD'), git('status', '--porcelain', '-uno')
+    try:  # the short hash, every tag excluded
+        git = subprocess.run(['git', '-C', os.path.dirname(os.path.abspath(__file__)), 'describe',
+                              '--always', '--dirty=+dirty', '--exclude=*'],
+                             capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.SubprocessError):
         return None
-    return None if commit.returncode else commit.stdout.strip() + '+dirty' * bool(dirty.stdout)
-
-
-def of_its_type(key, value):  # a model setting as GPTConfig types it (a float one: an int too)
-    return type(value) is MODEL_TYPES[key] or MODEL_TYPES[key] is float and type(value) is int
+    return None if git.returncode else git.stdout.strip()
 
 
 def non_finite(state_dict):  # the names of the tensors holding a NaN or an inf
@@ -193,14 +189,21 @@ def append_line(path, line):
         raise
 
 
-def read_log(path):
-    """The records of a log.jsonl; lines that are not whole records skipped, with a note."""
+def read_run(out_dir):
+    """A run's log.jsonl by event, {'eval': [...], ...} ([] for one it lacks), lines that are not
+    whole records skipped with a note; None without one."""
+    path = os.path.join(out_dir, 'log.jsonl')
+    if not os.path.exists(path):
+        return None
     def record(line):
         with suppress(ValueError):
             return json.loads(line)
     lines = list(filter(str.strip, open(path, encoding='utf-8', errors='replace')))
-    records = [r for r in map(record, lines) if isinstance(r, dict)]
-    if skipped := len(lines) - len(records):
+    records = defaultdict(list)
+    for r in map(record, lines):
+        if isinstance(r, dict):
+            records[r.get('event')].append(r)
+    if skipped := len(lines) - sum(map(len, records.values())):
         print(f"note: {path}: skipped {skipped} line(s) that are not whole records",
               file=sys.stderr)
     return records
@@ -274,7 +277,8 @@ def load(path, state=(), quiet=False):
     if not isinstance(args, dict) or set(args) - set(MODEL_KEYS):
         unknown = sorted(set(args) - set(MODEL_KEYS)) if isinstance(args, dict) else ['(no dict)']
         refuse(f"has model settings this version does not know: {', '.join(unknown)}")
-    if wrong := [k for k in args if not of_its_type(k, args[k])]:
+    if wrong := [k for k, v in args.items() if type(v) is not MODEL_TYPES[k] and not (
+            MODEL_TYPES[k] is float and type(v) is int)]:  # a float setting: an int too
         refuse(f"has a model setting of the wrong type: {wrong[0]}={args[wrong[0]]!r}, not "
                f"{MODEL_TYPES[wrong[0]].__name__}; give a ckpt.pt written by train.py")
     if not (isinstance(meta, dict) and {'tokenizer', 'vocab_size'} <= set(meta)):
@@ -402,12 +406,11 @@ class Run:
 
     def holds_run(self):
         """Whether out_dir holds a training run: a checkpoint, or a log a training run started."""
-        return os.path.exists(self.ckpt_path) or os.path.exists(self.log_path) and any(
-            r.get('event') == 'start' and not r.get('eval_only') for r in read_log(self.log_path))
+        return os.path.exists(self.ckpt_path) or any(
+            not r.get('eval_only') for r in (read_run(self.out_dir) or {}).get('start', ()))
 
     def logged_run_id(self):  # the id of the run that started its log, or None
-        starts = [r for r in read_log(self.log_path) if r.get('event') == 'start'] \
-            if os.path.exists(self.log_path) else []
+        starts = (read_run(self.out_dir) or {}).get('start')
         return starts[-1].get('run_id') if starts else None
 
     def claim(self):

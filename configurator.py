@@ -12,6 +12,7 @@ import math
 import os
 import platform
 import sys
+from argparse import ArgumentParser, RawDescriptionHelpFormatter
 from collections import namedtuple
 from contextlib import suppress
 
@@ -26,11 +27,12 @@ def fail(message, quiet=False):
     raise SystemExit(1 if quiet else f"error: {message}")
 
 
-def parse_args(parser, argv=None):
-    """argparse's arguments for the scripts that use it, each error one line (fail), not its
+def arg_parser(doc):
+    """argparse for the scripts that use it, doc its --help: each error one line (fail), not its
     usage block."""
+    parser = ArgumentParser(description=doc, formatter_class=RawDescriptionHelpFormatter)
     parser.error = lambda message: fail(f"{message} (--help lists the options)")
-    return parser.parse_args(argv)
+    return parser
 
 
 def settings_block(path, dataclass=None):

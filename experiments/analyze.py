@@ -9,7 +9,6 @@ command behind each of its numbers.
     python experiments/analyze.py --relu sweeps/explain sweeps/relu_spend_k4 --top_ks=4
     python experiments/analyze.py --chars sweeps/explain --top_ks=4 --out_dir=results/explain_chars
 """
-import argparse
 import glob
 import json
 import math
@@ -23,13 +22,12 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the model's files
 
-from plot import save_figure, side_by_side  # noqa: E402
-from checkpoint import get_batch  # noqa: E402
-from compare import (format_difference, last_done, markdown, mean_std,  # noqa: E402
-                     paired_difference, read_run)
-from configurator import fail, parse_args  # noqa: E402
-from stats import predictive_entropy  # noqa: E402
-from sweep import IGNORED, recorded  # noqa: E402
+from plot import save_figure, side_by_side
+from checkpoint import get_batch, read_run
+from compare import format_difference, last_done, markdown, mean_std, paired_difference
+from configurator import arg_parser, fail
+from stats import predictive_entropy
+from sweep import IGNORED, recorded
 
 
 def runs_of(roots, router, k, like=None, compared=()):
@@ -382,8 +380,7 @@ def print_chars(results, k, batches):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = arg_parser(__doc__)
     parser.add_argument('roots', nargs='*', help="the out_dirs of the sweeps holding the runs")
     parser.add_argument('--relu_schedule', action='store_true',
                         help="relu's experts per token by step, as a --k_schedule for topk")
@@ -401,7 +398,7 @@ def main(argv=None):
     parser.add_argument('--batches', type=int, default=20, help="val batches of 16 x block_size")
     parser.add_argument('--dataset', default='shakespeare_char', help="a folder under data/")
     parser.add_argument('--out_dir', help="--chars: a folder for its figure and numbers")
-    args = parse_args(parser, argv)
+    args = parser.parse_args(argv)
     if (args.equal_compute or args.causal) and not args.router:
         parser.error("--equal_compute and --causal compare a --router with topk: give --router")
     if not re.fullmatch(r'[1-9]\d*(,[1-9]\d*)*', args.top_ks):

@@ -1,29 +1,17 @@
 """
-Finished runs compared: each run's log read by event, and the paired differences between runs
+Finished runs compared: each run's final record, and the paired differences between runs
 trained with the same seeds (the same initialisation and batches), with their Student-t intervals.
 """
 import math
 import os
 import sys
-from collections import defaultdict
 from functools import lru_cache
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the model's files
 
-from checkpoint import read_log  # noqa: E402
-
-
-def read_run(out_dir):
-    """A run's log.jsonl by event, {'eval': [...], ...} ([] for one it lacks); None without one."""
-    path = os.path.join(out_dir, 'log.jsonl')
-    if not os.path.exists(path):
-        return None
-    records = defaultdict(list)
-    for record in read_log(path):
-        records[record.get('event')].append(record)
-    return records
+from checkpoint import read_run
 
 
 def last_done(folder, evaluation=False):

@@ -12,7 +12,6 @@ explain routing (the walkthrough's and the README's). PNGs go to --out_dir, neve
     python experiments/plot.py --curves sweeps/plateau/*-s[0-9]  # train_curves.png; prints each
         # run's first step logged below --escape (below the bigram plateau)
 """
-import argparse
 import itertools
 import json
 import os
@@ -24,15 +23,15 @@ import torch
 
 if __name__ == '__main__':
     matplotlib.use('Agg')  # files only, no display (imported, e.g. by the walkthrough: its own)
-import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.patches import Rectangle  # noqa: E402
+import matplotlib.pyplot as plt
+from matplotlib.patches import Rectangle
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from configurator import fail, parse_args  # noqa: E402
-from router import batchtopk_mask, online_seqtopk_mask, seqtopk_mask, topk_mask  # noqa: E402
-from compare import read_run  # noqa: E402
-from stats import layer_mean, summed_histogram  # noqa: E402
+from configurator import arg_parser, fail
+from router import batchtopk_mask, online_seqtopk_mask, seqtopk_mask, topk_mask
+from checkpoint import read_run
+from stats import layer_mean, summed_histogram
 
 
 def save_figure(fig, out, name):  # the one way a picture is written: 120 dpi, closed
@@ -305,7 +304,7 @@ def token_figure(texts, counts, top_ks, titles, width=40):
     red more."""
     from sample import shade
     cmap = plt.get_cmap('coolwarm')
-    colour = lambda n, k: cmap(0.5 + 0.5 * shade(int(n), k))  # noqa: E731
+    colour = lambda n, k: cmap(0.5 + 0.5 * shade(int(n), k))
     shown = [[token.replace('\n', '⏎').replace(' ', '·')[:width] for token in text]
              for text in texts]
     places = [layout(text, width) for text in shown]  # a word piece as wide as its text
@@ -397,8 +396,7 @@ def read_json(path, needs, made_by):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = arg_parser(__doc__)
     parser.add_argument('runs', nargs='*', help="out_dirs of train.py runs")
     parser.add_argument('--sweep', help="a sweep.json: its paired-difference and routing figures")
     parser.add_argument('--bench', help="a bench.json: its decoding figure")
@@ -409,7 +407,7 @@ def main(argv=None):
                         help="--curves: the CE a run's step is found below")
     parser.add_argument('--out_dir', help="the folder for the PNGs (default: figures, with "
                         "--explain results/explain)")
-    args = parse_args(parser, argv)
+    args = parser.parse_args(argv)
     out, figures = args.out_dir or ('results/explain' if args.explain else 'figures'), {}
     if args.explain:
         figures = explain(args.runs)

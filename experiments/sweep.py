@@ -31,13 +31,12 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # the model's files
 
-from checkpoint import code_version, in_use, lock, written  # noqa: E402
-from configurator import (Rule, a_seed, check, configure, each, fail, non_empty,  # noqa: E402
-                          non_negative_int, one_of, positive_int)
-from model import GPTConfig  # noqa: E402
-from router import ROUTERS  # noqa: E402
-from compare import (format_difference, last_done, markdown, mean_std,  # noqa: E402
-                     paired_difference, read_run)
+from checkpoint import code_version, in_use, lock, read_run, written
+from configurator import (Rule, a_seed, check, configure, each, fail, non_empty, non_negative_int,
+                          one_of, positive_int)
+from model import GPTConfig
+from router import ROUTERS
+from compare import format_difference, last_done, markdown, mean_std, paired_difference
 
 # -----------------------------------------------------------------------------
 out_dir = 'sweeps/cpu'    # the sweep's folder: a folder per run, sweep.json and sweep.csv
