@@ -37,9 +37,11 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 def pytest_collection_modifyitems(items):
-    """The tests marked long first: with -n auto a worker starts each while the others work
-    through the short ones, instead of running it alone at the end."""
-    items.sort(key=lambda item: item.get_closest_marker('long') is None)
+    """The tests marked long first, the last collected (the walkthrough, gpu.sh: the longest)
+    first of all: with -n auto a worker starts each while the others work through the short
+    ones, instead of running it alone at the end."""
+    long = [item for item in items if item.get_closest_marker('long')]
+    items[:] = long[::-1] + [item for item in items if not item.get_closest_marker('long')]
 
 
 # -----------------------------------------------------------------------------
