@@ -105,12 +105,13 @@ def train_step(model, x, y, moe_ks=None):
 # A process that has imported torch once and forks a process for each script run: the script runs
 # as `python script args` would, in a process of its own, with its argv, sys.path[0], cwd,
 # environment, stdout, stderr and exit status (a SystemExit's, a traceback's), but without its 3-5
-# CPU seconds of `import torch` (torch.optim's first use imports torch._dynamo too).
+# CPU seconds of `import torch` (torch.optim's first use imports torch._dynamo too); or as
+# `python -c driver script args` would, a driver that changes something and runs the script.
 ZYGOTE = r"""
 import json, os, runpy, sys
 import numpy, torch, torch._dynamo  # no thread started yet: safe to fork
 for request in sys.stdin:
-    script, args, cwd, env, out, err = json.loads(request)
+    script, args, driver, cwd, env, out, err = json.loads(request)
     pid = os.fork()
     if pid == 0:  # the run: its own files, folder, environment and arguments
         for fd, path, flags in ((0, os.devnull, os.O_RDONLY), (1, out, os.O_WRONLY),
@@ -119,8 +120,12 @@ for request in sys.stdin:
         os.chdir(cwd)
         os.environ.clear()
         os.environ.update(env)
-        sys.argv, sys.path[0] = [script, *args], os.path.dirname(script)
-        runpy.run_path(script, run_name='__main__')  # an exception exits as python's does
+        if driver is None:  # an exception exits as python's does
+            sys.argv, sys.path[0] = [script, *args], os.path.dirname(script)
+            runpy.run_path(script, run_name='__main__')
+        else:
+            sys.argv, sys.path[0] = ['-c', script, *args], ''
+            exec(driver, {'__name__': '__main__', '__builtins__': __builtins__})
         sys.exit(0)
     print(pid, flush=True)
     print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), flush=True)
@@ -141,15 +146,16 @@ def zygote_says(timeout):
     return int(said)
 
 
-def run(script, *args, cwd, env=OFFLINE_ENV):
-    """`python script args` in cwd, as subprocess.run(..., capture_output=True) gives it; forked
-    from the zygote where the environment is the tests' own (another one may change what
-    `import torch` reads)."""
+def run(script, *args, cwd, env=OFFLINE_ENV, driver=None):
+    """`python script args` (or `python -c driver script args`) in cwd, as subprocess.run(...,
+    capture_output=True) gives it; forked from the zygote where the environment is the tests' own
+    (another one may change what `import torch` reads)."""
     global zygote
     path = os.path.join(REPO, script)
+    command = [sys.executable, *(('-c', driver) if driver else ()), path, *args]
     if env is not OFFLINE_ENV:
-        return subprocess.run([sys.executable, path, *args], cwd=cwd, env=env,
-                              capture_output=True, text=True, timeout=HANG)
+        return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True,
+                              timeout=HANG)
     if zygote is None or zygote.poll() is not None:
         zygote = subprocess.Popen([sys.executable, '-c', ZYGOTE], env=OFFLINE_ENV, text=True,
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=1)
@@ -158,7 +164,7 @@ def run(script, *args, cwd, env=OFFLINE_ENV):
         out, err = os.path.join(tmp, 'out'), os.path.join(tmp, 'err')
         for name in (out, err):
             open(name, 'w').close()
-        zygote.stdin.write(json.dumps([path, list(args), str(cwd), env, out, err]) + '\n')
+        zygote.stdin.write(json.dumps([path, list(args), driver, str(cwd), env, out, err]) + '\n')
         zygote.stdin.flush()
         pid = zygote_says(HANG)
         code = zygote_says(HANG)
@@ -166,8 +172,7 @@ def run(script, *args, cwd, env=OFFLINE_ENV):
             os.kill(pid, signal.SIGKILL)
             zygote_says(HANG)
             raise subprocess.TimeoutExpired(path, HANG)
-        return subprocess.CompletedProcess([sys.executable, path, *args], code,
-                                           open(out).read(), open(err).read())
+        return subprocess.CompletedProcess(command, code, open(out).read(), open(err).read())
 
 
 def one_error_line(result):
