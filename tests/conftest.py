@@ -4,11 +4,16 @@ subprocesses (offline, one thread), and the built-in data prepared and a tiny ru
 test session, shared by pytest-xdist's workers.
 Run: python -m pytest -q -n auto
 """
+import atexit
+import json
 import os
 import runpy
+import select
 import shutil
+import signal
 import subprocess
 import sys
+import tempfile
 
 import pytest
 import torch
@@ -32,9 +37,11 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 def pytest_collection_modifyitems(items):
-    """The tests marked long first: with -n auto a worker starts each while the others work
-    through the short ones, instead of running it alone at the end."""
-    items.sort(key=lambda item: item.get_closest_marker('long') is None)
+    """The tests marked long first, the last collected (the walkthrough, gpu.sh: the longest)
+    first of all: with -n auto a worker starts each while the others work through the short
+    ones, instead of running it alone at the end."""
+    long = [item for item in items if item.get_closest_marker('long')]
+    items[:] = long[::-1] + [item for item in items if not item.get_closest_marker('long')]
 
 
 # -----------------------------------------------------------------------------
@@ -95,9 +102,77 @@ def train_step(model, x, y, moe_ks=None):
 # -----------------------------------------------------------------------------
 # the scripts
 
-def run(script, *args, cwd, env=OFFLINE_ENV):
-    return subprocess.run([sys.executable, os.path.join(REPO, script), *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=HANG)
+# A process that has imported torch once and forks a process for each script run: the script runs
+# as `python script args` would, in a process of its own, with its argv, sys.path[0], cwd,
+# environment, stdout, stderr and exit status (a SystemExit's, a traceback's), but without its 3-5
+# CPU seconds of `import torch` (torch.optim's first use imports torch._dynamo too); or as
+# `python -c driver script args` would, a driver that changes something and runs the script.
+ZYGOTE = r"""
+import json, os, runpy, sys
+import numpy, torch, torch._dynamo  # no thread started yet: safe to fork
+for request in sys.stdin:
+    script, args, driver, cwd, env, out, err = json.loads(request)
+    pid = os.fork()
+    if pid == 0:  # the run: its own files, folder, environment and arguments
+        for fd, path, flags in ((0, os.devnull, os.O_RDONLY), (1, out, os.O_WRONLY),
+                                (2, err, os.O_WRONLY)):
+            os.dup2(os.open(path, flags), fd)
+        os.chdir(cwd)
+        os.environ.clear()
+        os.environ.update(env)
+        if driver is None:  # an exception exits as python's does
+            sys.argv, sys.path[0] = [script, *args], os.path.dirname(script)
+            runpy.run_path(script, run_name='__main__')
+        else:
+            sys.argv, sys.path[0] = ['-c', script, *args], ''
+            exec(driver, {'__name__': '__main__', '__builtins__': __builtins__})
+        sys.exit(0)
+    print(pid, flush=True)
+    print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), flush=True)
+"""
+zygote = None  # this process's (each pytest-xdist worker has its own)
+
+
+def zygote_says(timeout):
+    """The zygote's next line, a number (None if it says nothing for timeout seconds), read byte by
+    byte: nothing waits in a buffer that select cannot see."""
+    said = b''
+    while not said.endswith(b'\n'):
+        if not select.select([zygote.stdout], [], [], timeout)[0]:
+            return None
+        byte = os.read(zygote.stdout.fileno(), 1)
+        assert byte, 'the zygote died'
+        said += byte
+    return int(said)
+
+
+def run(script, *args, cwd, env=OFFLINE_ENV, driver=None):
+    """`python script args` (or `python -c driver script args`) in cwd, as subprocess.run(...,
+    capture_output=True) gives it; forked from the zygote where the environment is the tests' own
+    (another one may change what `import torch` reads)."""
+    global zygote
+    path = os.path.join(REPO, script)
+    command = [sys.executable, *(('-c', driver) if driver else ()), path, *args]
+    if env is not OFFLINE_ENV:
+        return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True,
+                              timeout=HANG)
+    if zygote is None or zygote.poll() is not None:
+        zygote = subprocess.Popen([sys.executable, '-c', ZYGOTE], env=OFFLINE_ENV, text=True,
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=1)
+        atexit.register(zygote.communicate)  # its end (its CPU time counted as the runs')
+    with tempfile.TemporaryDirectory() as tmp:
+        out, err = os.path.join(tmp, 'out'), os.path.join(tmp, 'err')
+        for name in (out, err):
+            open(name, 'w').close()
+        zygote.stdin.write(json.dumps([path, list(args), driver, str(cwd), env, out, err]) + '\n')
+        zygote.stdin.flush()
+        pid = zygote_says(HANG)
+        code = zygote_says(HANG)
+        if code is None:  # a hang: ended, as subprocess.run's timeout ends it
+            os.kill(pid, signal.SIGKILL)
+            zygote_says(HANG)
+            raise subprocess.TimeoutExpired(path, HANG)
+        return subprocess.CompletedProcess(command, code, open(out).read(), open(err).read())
 
 
 def one_error_line(result):

@@ -8,11 +8,9 @@ import os
 import re
 import runpy
 import shlex
-import subprocess
-import sys
 from functools import lru_cache
 
-from conftest import OFFLINE_ENV, REPO
+from conftest import REPO, run
 
 DOCS = ('README.md', 'results/README.md')
 SCRIPTS = ('train.py', 'sample.py', 'bench.py', 'prepare.py', 'experiments/sweep.py',
@@ -22,13 +20,10 @@ NESTED = {'train_args': 'train.py', 'finetune_args': 'train.py'}  # sweep.py's, 
 
 @lru_cache(maxsize=None)
 def settings():
-    """{script: the settings its --help lists}, the scripts asked at once."""
-    procs = {script: subprocess.Popen([sys.executable, os.path.join(REPO, script), '--help'],
-                                      cwd=REPO, env=OFFLINE_ENV, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True)
-             for script in SCRIPTS}
-    return {script: set(re.findall(r'(?m)^  (?:-\w, )?--(\w+)', proc.communicate(timeout=300)[0]))
-            for script, proc in procs.items()}
+    """{script: the settings its --help lists}."""
+    helps = {script: run(script, '--help', cwd=REPO) for script in SCRIPTS}
+    return {script: set(re.findall(r'(?m)^  (?:-\w, )?--(\w+)', result.stdout + result.stderr))
+            for script, result in helps.items()}
 
 
 def commands(doc):

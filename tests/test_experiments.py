@@ -136,6 +136,7 @@ def table(stdout):
             if line.startswith('| ') and not line.startswith('| ---')]
 
 
+@pytest.mark.long
 def test_a_pretraining_sweep_adds_dense_rows_and_paired_differences(workdir):
     args = ['--out_dir=pre', '--routers=topk,mrltopk', '--top_ks=4,2', '--seeds=1,2',
             '--max_iters=4', '--dense=active,total', '--jobs=2',
@@ -192,6 +193,7 @@ def test_a_pretraining_sweep_adds_dense_rows_and_paired_differences(workdir):
     assert 'Traceback' not in again.stderr
 
 
+@pytest.mark.long
 def test_a_finetune_sweep_pretrains_per_seed_and_tabulates_training_free_rows(workdir):
     args = ['--out_dir=ft', '--finetune=True', '--routers=topk,mrltopk,batchtopk,seqtopk',
             '--top_ks=2', '--seeds=1', '--pretrain_k=4', '--pretrain_iters=6', '--max_iters=3',
@@ -559,6 +561,7 @@ def test_a_slurm_sweep_runs_each_run_as_a_submitit_job_that_resumes_when_preempt
 # -----------------------------------------------------------------------------
 # reruns that could mix: a sweep reuses a run only as it would make it now, one sweep an out_dir
 
+@pytest.mark.long
 def test_a_sweep_reuses_a_run_only_if_it_was_made_with_the_settings_it_would_give_it_now(workdir):
     import shutil
     args = ['--out_dir=same', '--routers=topk,seqtopk', '--top_ks=2', '--seeds=1', '--max_iters=4',
@@ -633,6 +636,7 @@ def test_a_second_sweep_into_a_live_sweep_s_out_dir_is_refused_and_the_first_fin
     assert again.returncode == 0, again.stderr
 
 
+@pytest.mark.long
 def test_the_analyses_of_a_finished_sweep_run_and_print_their_tables(workdir, tmp_path):
     args = ['--out_dir=parts', '--routers=topk,seqtopk,relu,windowtopk', '--top_ks=2',
             '--seeds=1,2', '--max_iters=4',

@@ -470,8 +470,7 @@ def run_on_a_full_disk(script, *args, cwd, target, limit=1000, skip=0, kill=Fals
     driver = (FULL_DISK.replace('TARGET', repr(target)).replace('LIMIT', str(limit))
               .replace('SKIP', str(skip)))
     driver = driver.replace('KILL', str(kill))
-    return subprocess.run([sys.executable, '-c', driver, os.path.join(REPO, script), *args],
-                          cwd=cwd, env=OFFLINE_ENV, capture_output=True, text=True, timeout=HANG)
+    return run(script, *args, cwd=cwd, driver=driver)
 
 
 @pytest.mark.parametrize("target", [r'ckpt\.pt\.\w+\.tmp$', r'log\.jsonl$'])

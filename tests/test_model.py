@@ -428,6 +428,7 @@ def test_cuda_bf16_training_step_compiles_to_one_graph_and_never_syncs(router):
             torch.cuda.set_sync_debug_mode(0)
 
 
+@pytest.mark.long
 @pytest.mark.compile
 def test_a_compiled_mrltopk_forward_routes_each_layer_with_the_k_the_script_drew():
     # the k's are drawn outside the model (train.py: router.step_ks per step), compiled or not

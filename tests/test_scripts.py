@@ -780,11 +780,8 @@ def test_moe_impl_loop_through_the_settings_runs_the_experts_without_the_grouped
               "def refused(*args):\n    raise SystemExit('error: the grouped kernel ran')\n"
                "fast.grouped_mm = refused\nsys.argv = sys.argv[1:]\n"
                "runpy.run_path(sys.argv[0], run_name='__main__')\n")
-    common = [os.path.join(REPO, 'train.py'), TINY, '--max_iters=2', '--overwrite=True',
-              '--out_dir=impl']
-    results = {impl: subprocess.run([sys.executable, '-c', driver, *common, f'--moe_impl={impl}'],
-                                    cwd=workdir, env=OFFLINE_ENV, capture_output=True, text=True,
-                                    timeout=HANG)
+    common = [TINY, '--max_iters=2', '--overwrite=True', '--out_dir=impl']
+    results = {impl: run('train.py', *common, f'--moe_impl={impl}', cwd=workdir, driver=driver)
                for impl in ('grouped', 'loop')}
     assert results['loop'].returncode == 0, results['loop'].stderr
     assert 'the grouped kernel ran' in results['grouped'].stderr
@@ -983,9 +980,7 @@ def test_no_script_turns_tf32_on_so_the_routers_fp32_logits_stay_fp32(workdir):
     for script, args in (('train.py',
                           [TINY, '--max_iters=2', '--overwrite=True', '--out_dir=tf32']),
                          ('bench.py', ['--what=route', '--repeats=1'])):
-        result = subprocess.run([sys.executable, '-c', driver, os.path.join(REPO, script), *args],
-                                cwd=workdir, env=OFFLINE_ENV, capture_output=True, text=True,
-                                timeout=HANG)
+        result = run(script, *args, cwd=workdir, driver=driver)
         assert result.stdout.strip().splitlines()[-1] == 'tf32 False highest', result.stderr
 
 
