@@ -238,8 +238,8 @@ def per_position(model, x, y, ks=None):
     routers = model.routers()
     if ks is not None:  # an analysis of a trained topk model, never the model's code
         for router in routers:
-            router.select = lambda scores, cache, online: (
-                scores.argsort(-1, descending=True).argsort(-1) < ks[..., None])
+            router.select = lambda choice: (
+                choice.argsort(-1, descending=True).argsort(-1) < ks[..., None])
     try:
         with torch.no_grad():
             logits, _, aux = model(x, y)
