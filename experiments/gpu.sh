@@ -39,7 +39,8 @@ if [ "${2:-}" = --cpu ]; then
   sizes=(--sizes=tiny --train_steps=2 --repeats=1 --moe_tokens=256 --moe_embd=64 --moe_exp_dim=32
          --moe_n_exp=16 --moe_top_k=4 --moe_repeats=1 --decode_block_size=64 --prompt_tokens=8
          --new_tokens=16 --contexts=16 --steps_at_context=8 --decode_ways=eager)
-  gpu_size=(--sizes=tiny --decode_size=tiny --ways=eager)  # compiling: tests/test_model.py
+  gpu_size=(--sizes=tiny --ways=eager)  # compiling: tests/test_model.py
+  gpu_decode=(--decode_size=tiny)
   model=("$root/config/tiny.py" --max_iters=4 --eval_interval=4 --eval_iters=1)
   # the GPU preset's sweep (K=2, 5 seeds, 10 runs at once) on the tiny model, 4 steps a run
   sweep=(--max_iters=4 "--train_args=$root/config/tiny.py --dataset=shakespeare
@@ -50,7 +51,8 @@ else
   device=(--device=cuda --dtype=bfloat16)
   sizes=(--sizes=default)
   gpu_size=(--sizes=gpu --moe_tokens=8192 --moe_embd=512 --moe_exp_dim=2048 --moe_n_exp=8
-            --moe_top_k=2 --decode_size=gpu --decode_block_size=512 --contexts=64,256,448)
+            --moe_top_k=2)
+  gpu_decode=(--decode_size=gpu --decode_block_size=512 --contexts=64,256,448)
   # compiled only, one round a context: the compiles (three, cold: 15.5, 11.8 and 13.9 s on the
   # H100) take most of the part's time
   decode=(--new_tokens=64 --steps_at_context=16 --repeats=1 --decode_ways=compiled)
@@ -84,7 +86,7 @@ part gpu-moe 90 "${bench[@]}" --what=moe --ways=eager,compiled --moe_repeats=5 \
   --out_dir="$out/gpu-moe" "${sizes[@]}" "${gpu_size[@]}"
 part decode 120 "${bench[@]}" --what=decode --out_dir="$out/decode" "${decode[@]}" "${sizes[@]}"
 part gpu-decode 90 "${bench[@]}" --what=decode --out_dir="$out/gpu-decode" "${decode[@]}" \
-  "${sizes[@]}" "${gpu_size[@]}"
+  "${sizes[@]}" "${gpu_decode[@]}"
 part bench-train 40 "${bench[@]}" --what=train --out_dir="$out/bench-train" "${sizes[@]}"
 part bench-moe 20 "${bench[@]}" --what=moe --out_dir="$out/bench-moe" "${sizes[@]}"
 part tests 90 python -m pytest -q -rs -k cuda "$root/tests/test_model.py" \
