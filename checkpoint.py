@@ -451,8 +451,14 @@ class Run:
 
     # how it stops
 
-    def fail(self, message):  # under torchrun rank 0 alone says it
-        fail(message, quiet=not self.master)
+    def fail(self, message):
+        """Under torchrun rank 0 alone says it. Before the ranks join (a check each makes alike)
+        another rank waits first: torchrun stops every rank once one exits, and rank 0 could be
+        stopped before it said why. A rank still running 5 s later failed alone, and says it."""
+        if self.master or dist.is_initialized():
+            fail(message, quiet=not self.master)
+        time.sleep(5)
+        fail(message)
 
     def resume_command(self, **changes):  # this command, resuming, with changed settings
         changed = tuple(f'--{key}=' for key in ('init_from', 'overwrite', *changes))
@@ -471,8 +477,8 @@ class Run:
 
     def stop(self, why, fix, **changes):
         if self.ddp:
-            dist.destroy_process_group()
-        self.fail(f"{why}; {self.kept(fix, **changes)}")
+            dist.destroy_process_group()  # every rank stops at this step: rank 0 says why
+        fail(f"{why}; {self.kept(fix, **changes)}", quiet=not self.master)
 
     def write_failed(self):  # a write the file system refused (rank 0): stop, nothing more written
         if self.error:

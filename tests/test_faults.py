@@ -218,6 +218,20 @@ def test_a_signal_stops_an_evaluation_at_once_and_a_second_stops_training_at_onc
             proc.wait()
 
 
+def test_a_rank_failing_before_the_ranks_join_leaves_rank_0_time_to_say_why(tmp_path,
+                                                                             monkeypatch):
+    # torchrun stops every rank once one exits: a rank other than 0 that failed a check every
+    # rank makes (seen on an H100: more processes than GPUs) exited silently first, and rank 0
+    # was stopped before its line; one still running after the wait failed alone, and says so
+    from checkpoint import Run
+    waits = []
+    monkeypatch.setattr(time, 'sleep', waits.append)
+    for master, wait in ((True, []), (False, [5])):
+        with pytest.raises(SystemExit) as stop:
+            Run(str(tmp_path), ddp=True, master=master, world_size=2, settings={}).fail('bad')
+        assert stop.value.code == 'error: bad' and waits == wait
+
+
 def test_a_signal_that_comes_again_while_the_first_is_announced_is_announced_once(tmp_path,
                                                                                    capsys):
     # timeout(1) sends SIGTERM to the run and again to its process group: the second can land
