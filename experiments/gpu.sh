@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU tables, each part under its own timeout, every log in one folder (README, "Speed";
 # results/README.md, "GPU"). The benchmarks run one at a time, alone; then the parts that time
-# nothing run together. PARTS=a,b,... runs only those (the speed tables, about 5 minutes on an
+# nothing run together. PARTS=a,b,... runs only those (the speed tables, about 7 minutes on an
 # H100: PARTS=gpu-train,gpu-moe,decode,gpu-decode,tests); all of them take 10 to 12.
 #   gpu-train     bench.py, bf16, the gpu size (6 layers, d=512, T=512, 8 experts of 2048,
 #                 top-2): the training step of topk, seqtopk and the dense twin, eager and
@@ -76,20 +76,19 @@ python -c "import sys, torch; print(torch.__version__, sys.version.split()[0],
   torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU')" > "$out/versions.txt"
 bench=(python "$root/bench.py" "${device[@]}")  # --cpu: tiny sizes last, so that they win
 # measured (s): on the H200 bench-train 6 routers < 31, bench-moe 11, a compiled step of the
-# default model 60 (3 rounds), tests 73; on the H100 decoding 99 (eager and compiled, one
-# context), a compiled MoE table no row in 60, one compiled step of the gpu size 39 with its
-# compile, the sweep 137 (133 by its own clock, each run 112-127); after the benchmarks the parts
-# share the GPU
-part gpu-train 150 "${bench[@]}" --what=train --routers=dense,topk,seqtopk --ways=eager,compiled \
+# default model 60 (3 rounds), tests 73; on the H100 (2026-11-27) gpu-train 130,
+# gpu-moe 42, decode 79, gpu-decode 76, tests 83-94, the sweep 137 (133 by its own clock, each run
+# 112-127); each limit about twice that, a hang's; after the benchmarks the parts share the GPU
+part gpu-train 260 "${bench[@]}" --what=train --routers=dense,topk,seqtopk --ways=eager,compiled \
   --repeats=3 --train_steps=5 --out_dir="$out/gpu-train" "${sizes[@]}" "${gpu_size[@]}"
 part gpu-moe 90 "${bench[@]}" --what=moe --ways=eager,compiled --moe_repeats=5 \
   --out_dir="$out/gpu-moe" "${sizes[@]}" "${gpu_size[@]}"
-part decode 120 "${bench[@]}" --what=decode --out_dir="$out/decode" "${decode[@]}" "${sizes[@]}"
-part gpu-decode 90 "${bench[@]}" --what=decode --out_dir="$out/gpu-decode" "${decode[@]}" \
+part decode 160 "${bench[@]}" --what=decode --out_dir="$out/decode" "${decode[@]}" "${sizes[@]}"
+part gpu-decode 160 "${bench[@]}" --what=decode --out_dir="$out/gpu-decode" "${decode[@]}" \
   "${sizes[@]}" "${gpu_decode[@]}"
 part bench-train 40 "${bench[@]}" --what=train --out_dir="$out/bench-train" "${sizes[@]}"
 part bench-moe 20 "${bench[@]}" --what=moe --out_dir="$out/bench-moe" "${sizes[@]}"
-part tests 90 python -m pytest -q -rs -k cuda "$root/tests/test_model.py" \
+part tests 180 python -m pytest -q -rs -k cuda "$root/tests/test_model.py" \
   "$root/tests/test_decoding.py" "$root/tests/test_faults.py" &
 part train 90 python "$root/train.py" "${model[@]}" --compile=True --out_dir="$out/train" \
   --overwrite=True &

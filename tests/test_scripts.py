@@ -847,6 +847,27 @@ def test_the_gpu_script_runs_every_part_on_the_cpu_with_tiny_sizes(prepared, tmp
     assert 'Δ vs topk (causal)' in (out / 'sweep.log').read_text()
 
 
+def test_the_gpu_script_gives_bench_only_settings_bench_accepts_on_a_gpu(tmp_path):
+    # its GPU branch runs on a GPU alone: there bench refused the gpu-train and gpu-moe parts'
+    # decoding sizes at once. A stand-in python records each command; bench's checks read them
+    import bench
+    from configurator import configure
+    calls, fake = tmp_path / 'calls', tmp_path / 'bin' / 'python'
+    fake.parent.mkdir()
+    fake.write_text(f"#!/bin/sh\nexec {sys.executable} -c 'import json, sys; open(sys.argv[1], "
+                    f"\"a\").write(json.dumps(sys.argv[2:]) + chr(10))' {calls} \"$@\"\n")
+    fake.chmod(0o755)
+    result = subprocess.run(['bash', os.path.join(REPO, 'experiments', 'gpu.sh'), 'out'],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=HANG,
+                            env=dict(OFFLINE_ENV, PATH=f"{fake.parent}:{os.environ['PATH']}"))
+    assert result.returncode == 0, result.stderr
+    runs = [json.loads(line) for line in calls.read_text().splitlines()]
+    parts = [args[1:] for args in runs if args[0].endswith('bench.py')]
+    assert len(parts) == 6 and all('--device=cuda' in args for args in parts)
+    for args in parts:
+        configure(dict(vars(bench)), args, bench.RULES, bench.RELATIONS)  # SystemExit if refused
+
+
 def test_a_gpu_script_part_is_stopped_at_its_limit_and_killed_10_s_later_if_it_ignores_that(
         tmp_path):
     # gpu.sh's own part(), driven by commands that sleep: the limit logic without real work racing
