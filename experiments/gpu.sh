@@ -41,9 +41,10 @@ if [ "${2:-}" = --cpu ]; then
          --new_tokens=16 --contexts=16 --steps_at_context=8 --decode_ways=eager)
   gpu_size=(--sizes=tiny --ways=eager)  # compiling: tests/test_model.py
   gpu_decode=(--decode_size=tiny)
+  # eager: compiled training on the CPU is tests/test_scripts.py's (80 s of cold compiling here)
   model=("$root/config/tiny.py" --max_iters=4 --eval_interval=4 --eval_iters=1)
-  # the GPU preset's sweep (K=2, 5 seeds, 10 runs at once) on the tiny model, 4 steps a run
-  sweep=(--max_iters=4 "--train_args=$root/config/tiny.py --dataset=shakespeare
+  # the GPU preset's sweep (K=2, paired seeds) on the tiny model: 2 seeds, 4 steps a run
+  sweep=(--max_iters=4 --seeds=1,2 "--train_args=$root/config/tiny.py --dataset=shakespeare
     --eval_interval=4 --eval_iters=1")
   decode=()
   scale=${GPU_SH_SCALE:-8}  # cold compiles on a laptop's cores, not a GPU's seconds
@@ -56,7 +57,7 @@ else
   # compiled only, one round a context: the compiles (three, cold: 15.5, 11.8 and 13.9 s on the
   # H100) take most of the part's time
   decode=(--new_tokens=64 --steps_at_context=16 --repeats=1 --decode_ways=compiled)
-  model=(--max_iters=300)
+  model=(--max_iters=300 --compile=True)
   sweep=()  # the preset as it ran on the H100
 fi
 start=$(date +%s)
@@ -90,7 +91,7 @@ part bench-train 40 "${bench[@]}" --what=train --out_dir="$out/bench-train" "${s
 part bench-moe 20 "${bench[@]}" --what=moe --out_dir="$out/bench-moe" "${sizes[@]}"
 part tests 180 python -m pytest -q -rs -k cuda "$root/tests/test_model.py" \
   "$root/tests/test_decoding.py" "$root/tests/test_faults.py" &
-part train 90 python "$root/train.py" "${model[@]}" --compile=True --out_dir="$out/train" \
+part train 90 python "$root/train.py" "${model[@]}" --out_dir="$out/train" \
   --overwrite=True &
 part sweep 180 python "$root/experiments/sweep.py" "$root/experiments/config/sweep_gpu.py" \
   --out_dir="$out/sweep" "${sweep[@]}"
