@@ -64,7 +64,7 @@ def relu_schedule(roots, k):
         fail(f"no finished relu-k{k}-s* runs with experts in their logs in {roots}")
     steps = [(step, max(1, round(float(np.mean(v))))) for step, v in sorted(per_step.items())]
     merged = [s for i, s in enumerate(steps) if i == 0 or s[1] != steps[i - 1][1]]
-    return '/'.join(f"{step}:{value}" for step, value in merged), steps
+    return '/'.join(f"{step}:{value}" for step, value in merged)
 
 
 def equal_compute(roots, router, ks):
@@ -421,7 +421,7 @@ def main(argv=None):
         fail(f"no data in {data_dir}/: give the --dataset the runs trained on")
     if args.relu_schedule:
         for k in ks:
-            print(f"K={k}: --k_schedule={relu_schedule(args.roots, k)[0]}")
+            print(f"K={k}: --k_schedule={relu_schedule(args.roots, k)}")
     if args.equal_compute:
         markdown(['K', f"{args.router}: experts/token in training", 'in evaluation', 'val CE',
                   'Δ vs topk at K', 'topk K′ around its spend', 'Δ vs topk at its spend',

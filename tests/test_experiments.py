@@ -112,7 +112,7 @@ def test_the_analyses_behind_the_results_tables_compute_what_they_say_by_hand(tm
     # seeds, rounded, equal neighbours merged
     finished_runs(tmp_path, 'relu', 4, train=[[(25, 7.6), (50, 4.2), (75, 4.4)],
                                               [(25, 8.4), (50, 3.8), (75, 3.6)]])
-    assert relu_schedule([str(tmp_path)], 4)[0] == '0:8/25:4'
+    assert relu_schedule([str(tmp_path)], 4) == '0:8/25:4'
     # equal compute: topk at a run's own training spend, between K=2 and K=3 by that spend
     finished_runs(tmp_path, 'windowtopk', 2, val_ce=[1.50, 1.40], experts_trained=[2.25, 2.75],
                   experts_mean=[2.0, 2.0])

@@ -2,7 +2,7 @@
 # the network (or the dataset in the local `datasets` cache):
 #   python prepare.py --source=roneneldan/TinyStories
 #   python experiments/sweep.py experiments/config/sweep_gpu_tinystories.py
-import router as _router  # noqa: E402 (names starting with _ are not settings)
+import router as _router  # names starting with _ are not settings
 out_dir = 'sweeps/gpu_tinystories'
 routers = ','.join(_router.ROUTERS)
 top_ks = '8,4,2'
