@@ -12,7 +12,7 @@ import re
 import pytest
 
 # the scripts as subprocesses, offline, one thread (or in this process, up to their exit)
-from conftest import HANG, REPO, TINY, exit_message, one_error_line, run
+from conftest import HANG, REPO, TINY, exit_message, one_error_line, run, sweep
 
 
 # -----------------------------------------------------------------------------
@@ -141,7 +141,7 @@ def test_a_pretraining_sweep_adds_dense_rows_and_paired_differences(workdir):
     args = ['--out_dir=pre', '--routers=topk,mrltopk', '--top_ks=4,2', '--seeds=1,2',
             '--max_iters=4', '--dense=active,total', '--jobs=2',
             f'--train_args={TINY} --n_exp=4 --exp_dim=16 --eval_interval=4']
-    result = run('experiments/sweep.py', *args, cwd=workdir)
+    result = sweep(*args, cwd=workdir)
     assert result.returncode == 0, result.stderr + result.stdout
     rows = table(result.stdout)[1:]
     # per K: topk, mrltopk, dense at K's active width, dense at the total width
@@ -186,7 +186,7 @@ def test_a_pretraining_sweep_adds_dense_rows_and_paired_differences(workdir):
     # a re-run reuses every finished run, also one whose log ends in a line cut off mid-write
     with open(workdir / 'pre' / 'topk-k4-s1' / 'log.jsonl', 'a') as f:
         f.write('{"event": "eval", "iter": 4, "val_')
-    again = run('experiments/sweep.py', *args, cwd=workdir)
+    again = sweep(*args, cwd=workdir)
     assert (again.returncode == 0 and '$ ' not in again.stdout
             and table(again.stdout) == table(result.stdout))
     assert 'topk-k4-s1/log.jsonl: skipped 1 line(s) that are not whole records' in again.stderr
@@ -198,7 +198,7 @@ def test_a_finetune_sweep_pretrains_per_seed_and_tabulates_training_free_rows(wo
     args = ['--out_dir=ft', '--finetune=True', '--routers=topk,mrltopk,batchtopk,seqtopk',
             '--top_ks=2', '--seeds=1', '--pretrain_k=4', '--pretrain_iters=6', '--max_iters=3',
             '--jobs=2', f'--train_args={TINY} --n_exp=4 --eval_interval=3']
-    result = run('experiments/sweep.py', *args, cwd=workdir)
+    result = sweep(*args, cwd=workdir)
     assert result.returncode == 0, result.stderr + result.stdout
     rows = table(result.stdout)[1:]
     # fine-tuned: every router; training-free: all but mrltopk (= topk at evaluation)
@@ -225,8 +225,7 @@ def test_a_finetune_sweep_pretrains_per_seed_and_tabulates_training_free_rows(wo
             pytest.approx(seqtopk['val_ce_offline'] - topk),
             pytest.approx(seqtopk['val_ce_causal'] - topk))
     # the base trained again: every run from it is trained again too, never reused
-    again = run('experiments/sweep.py', *args, '--pretrain_iters=7', '--rerun_changed=True',
-                cwd=workdir)
+    again = sweep(*args, '--pretrain_iters=7', '--rerun_changed=True', cwd=workdir)
     assert again.returncode == 0, again.stderr + again.stdout
     assert 'ft/ft-seqtopk-k2-s1 was made with other settings: its base reruns' in again.stdout
     summary = json.load(open(workdir / 'ft' / 'sweep.json'))
@@ -265,9 +264,8 @@ def test_a_sweep_checks_every_run_s_settings_before_the_first_one_trains(workdir
 
 
 def test_a_sweep_stops_at_its_first_failed_run_and_starts_no_other(workdir):
-    result = run('experiments/sweep.py', '--out_dir=failing', '--routers=topk', '--top_ks=2',
-                 '--seeds=1,2,3', '--max_iters=2', f'--train_args={TINY} --dataset=absent',
-                 cwd=workdir)
+    result = sweep('--out_dir=failing', '--routers=topk', '--top_ks=2', '--seeds=1,2,3',
+                   '--max_iters=2', f'--train_args={TINY} --dataset=absent', cwd=workdir)
     assert result.returncode != 0 and 'Traceback' not in result.stderr, result.stderr
     assert result.stderr.strip().splitlines()[-1] == (
         "error: the run in failing/topk-k2-s1 failed (no data in data/absent/; make it with "
@@ -434,23 +432,22 @@ def sweep_in_training(workdir, out_dir, seeds, *extra, python=()):
     args = [f'--out_dir={out_dir}', '--routers=topk', '--top_ks=2', f'--seeds={seeds}',
             '--max_iters=300', *extra,
             f'--train_args={TINY} --n_exp=4 --eval_interval=1000 --log_interval=1']
-    sweep = subprocess.Popen([sys.executable, *python, os.path.join(REPO, 'experiments',
-                                                                    'sweep.py'), *args],
-                             cwd=workdir, env=OFFLINE_ENV, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True)
+    started = subprocess.Popen(
+        [sys.executable, *python, os.path.join(REPO, 'experiments', 'sweep.py'), *args],
+        cwd=workdir, env=OFFLINE_ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     log = workdir / out_dir / 'topk-k2-s1' / 'log.jsonl'
     deadline = time.time() + HANG
     while not (log.exists() and '"event": "train"' in log.read_text()) and time.time() < deadline:
         time.sleep(0.1)
-    return sweep, args, log
+    return started, args, log
 
 
 def test_an_interrupted_sweep_stops_its_runs_and_the_same_command_resumes_them(workdir):
     import signal
-    sweep, args, log = sweep_in_training(workdir, 'stopped', '1,2', '--jobs=1')
-    sweep.send_signal(signal.SIGTERM)
-    out, err = sweep.communicate(timeout=HANG)
-    assert sweep.returncode != 0 and 'Traceback' not in err, err
+    started, args, log = sweep_in_training(workdir, 'stopped', '1,2', '--jobs=1')
+    started.send_signal(signal.SIGTERM)
+    out, err = started.communicate(timeout=HANG)
+    assert started.returncode != 0 and 'Traceback' not in err, err
     assert err.strip().splitlines()[-1].startswith(
         'SIGTERM: stopped the sweep with 0 of 2 runs finished')
     stopped = [json.loads(line) for line in log.read_text().splitlines()]
@@ -458,7 +455,7 @@ def test_an_interrupted_sweep_stops_its_runs_and_the_same_command_resumes_them(w
     assert (stopped[-1]['event'] == 'stopped' and 0 < step < 300
             and (log.parent / 'ckpt.pt').exists())
     assert not (workdir / 'stopped' / 'sweep.json').exists()
-    again = run('experiments/sweep.py', *args, cwd=workdir)
+    again = sweep(*args, cwd=workdir)
     assert again.returncode == 0, again.stderr + again.stdout
     # resumed, not restarted
     assert '--out_dir=stopped/topk-k2-s1 --init_from=resume' in again.stdout
@@ -494,9 +491,9 @@ def stopped_saved(log):
 @pytest.mark.parametrize('name', ['SIGHUP', 'SIGINT'])  # its terminal closed; Ctrl-C
 def test_a_sweep_s_runs_save_and_stop_with_it_on_sighup_and_ctrl_c(workdir, name):
     import signal
-    sweep, _, log = sweep_in_training(workdir, name, '1')
-    sweep.send_signal(getattr(signal, name))
-    out, err = sweep.communicate(timeout=HANG)
+    started, _, log = sweep_in_training(workdir, name, '1')
+    started.send_signal(getattr(signal, name))
+    out, err = started.communicate(timeout=HANG)
     assert err.strip().splitlines()[-1].startswith(
         f'{name}: stopped the sweep with 0 of 1 runs finished'), err
     assert stopped_saved(log)
@@ -505,10 +502,10 @@ def test_a_sweep_s_runs_save_and_stop_with_it_on_sighup_and_ctrl_c(workdir, name
 def test_a_sweep_killed_leaves_no_run_training_its_run_saves_and_stops(workdir):
     import signal
     import time
-    sweep, _, log = sweep_in_training(workdir, 'killed', '1')
-    [train] = children(sweep.pid)
-    sweep.kill()  # SIGKILL: the sweep can do nothing; the kernel tells its run (SIGTERM)
-    sweep.communicate(timeout=HANG)
+    started, _, log = sweep_in_training(workdir, 'killed', '1')
+    [train] = children(started.pid)
+    started.kill()  # SIGKILL: the sweep can do nothing; the kernel tells its run (SIGTERM)
+    started.communicate(timeout=HANG)
     try:
         deadline = time.time() + HANG
         while running(train) and time.time() < deadline:
@@ -543,13 +540,13 @@ def test_a_slurm_sweep_runs_each_run_as_a_submitit_job_that_resumes_when_preempt
          '--launcher=slurm'], cwd=workdir, capture_output=True, text=True)
     assert one_error_line(no_submitit) == \
         "error: --launcher=slurm needs submitit: pip install submitit"
-    sweep, _, log = sweep_in_training(workdir, 'slurm', '1', '--launcher=slurm', '--slurm_gpus=0',
+    started, _, log = sweep_in_training(workdir, 'slurm', '1', '--launcher=slurm', '--slurm_gpus=0',
                                       python=ON_SUBMITIT_LOCAL)
-    [controller] = children(sweep.pid)  # submitit's, which runs the job
+    [controller] = children(started.pid)  # submitit's, which runs the job
     [job] = children(controller)
     os.kill(job, signal.SIGUSR2)  # submitit's signal: preempted (or its time is nearly up)
-    out, err = sweep.communicate(timeout=HANG)
-    assert sweep.returncode == 0, err
+    out, err = started.communicate(timeout=HANG)
+    assert started.returncode == 0, err
     records = [json.loads(line) for line in log.read_text().splitlines()]
     events = [r['event'] for r in records]
     # train.py saved when preempted, and the job, requeued, resumed it: no step twice
@@ -566,7 +563,7 @@ def test_a_sweep_reuses_a_run_only_if_it_was_made_with_the_settings_it_would_giv
     import shutil
     args = ['--out_dir=same', '--routers=topk,seqtopk', '--top_ks=2', '--seeds=1', '--max_iters=4',
             f'--train_args={TINY} --n_exp=4 --exp_dim=16 --eval_interval=4']
-    first = run('experiments/sweep.py', *args, cwd=workdir)
+    first = sweep(*args, cwd=workdir)
     assert first.returncode == 0, first.stderr
     assert 'runs made at commit ' in first.stdout
     shutil.copy(workdir / 'same' / 'sweep.json', workdir / 'old_sweep.json')
@@ -576,12 +573,12 @@ def test_a_sweep_reuses_a_run_only_if_it_was_made_with_the_settings_it_would_giv
     for record in records:
         record.get('config', {}).pop('k_schedule', None)
     log.write_text(''.join(json.dumps(r) + '\n' for r in records))
-    assert run('experiments/sweep.py', *args, cwd=workdir).returncode == 0
+    assert sweep(*args, cwd=workdir).returncode == 0
     # other settings: max_iters, train_args, a code default (rope, recorded as before it changed)
     for record in records:
         record.get('config', {}).update(rope=False)
     log.write_text(''.join(json.dumps(r) + '\n' for r in records))
-    changed = run('experiments/sweep.py', *args, '--max_iters=6', cwd=workdir)
+    changed = sweep(*args, '--max_iters=6', cwd=workdir)
     line = one_error_line(changed)
     assert "2 run(s) in same were made with other settings (above); run them again with " \
            "--rerun_changed=True, or give another --out_dir" in line
@@ -590,7 +587,7 @@ def test_a_sweep_reuses_a_run_only_if_it_was_made_with_the_settings_it_would_giv
     assert "same/seqtopk-k2-s1 was made with other settings: max_iters 4 -> 6\n" in changed.stdout
     # no table of mixed runs
     assert json.load(open(workdir / 'same' / 'sweep.json'))['max_iters'] == 4
-    again = run('experiments/sweep.py', *args, '--max_iters=6', '--rerun_changed=True', cwd=workdir)
+    again = sweep(*args, '--max_iters=6', '--rerun_changed=True', cwd=workdir)
     assert again.returncode == 0, again.stderr
     records = [json.loads(line) for line in log.read_text().splitlines()]
     assert records[0]['event'] == 'start' and records[-1]['iter'] == 6  # trained again from scratch
@@ -641,9 +638,8 @@ def test_the_analyses_of_a_finished_sweep_run_and_print_their_tables(workdir, tm
     args = ['--out_dir=parts', '--routers=topk,seqtopk,relu,windowtopk', '--top_ks=2',
             '--seeds=1,2', '--max_iters=4',
             f'--train_args={TINY} --n_exp=4 --exp_dim=16 --eval_interval=4 --log_interval=2']
-    assert run('experiments/sweep.py', *args, cwd=workdir).returncode == 0
-    more = run('experiments/sweep.py', *args[:2], '--routers=topk', '--top_ks=3', *args[3:],
-               cwd=workdir)
+    assert sweep(*args, cwd=workdir).returncode == 0
+    more = sweep(*args[:2], '--routers=topk', '--top_ks=3', *args[3:], cwd=workdir)
     assert more.returncode == 0, more.stderr
     schedule = run('experiments/analyze.py', 'parts', '--relu_schedule', '--top_ks=2', cwd=workdir)
     assert schedule.returncode == 0, schedule.stderr
@@ -753,11 +749,11 @@ def test_equal_compute_says_which_topk_runs_a_blank_difference_needs(tmp_path, m
 
 def test_a_sweep_run_that_exits_without_finishing_is_reported_failed_in_one_line(workdir):
     import signal
-    sweep, _, _ = sweep_in_training(workdir, 'unfinished', '1')
+    started, _, _ = sweep_in_training(workdir, 'unfinished', '1')
     # its train.py stops, saved, and exits 0: not finished
-    os.kill(children(sweep.pid)[0], signal.SIGTERM)
-    out, err = sweep.communicate(timeout=HANG)
-    assert sweep.returncode != 0 and 'Traceback' not in err, err
+    os.kill(children(started.pid)[0], signal.SIGTERM)
+    out, err = started.communicate(timeout=HANG)
+    assert started.returncode != 0 and 'Traceback' not in err, err
     assert err.strip().splitlines()[-1] == (
         "error: the run in unfinished/topk-k2-s1 exited without finishing (its log has no done "
         "record); see unfinished/topk-k2-s1.out")
