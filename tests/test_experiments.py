@@ -136,6 +136,26 @@ def table(stdout):
             if line.startswith('| ') and not line.startswith('| ---')]
 
 
+def test_a_sweep_run_forked_to_save_its_imports_trains_exactly_as_one_started_afresh(workdir):
+    # conftest's FORKED_RUNS, which the sweeps below use: it must not change what a run does
+    args = ['--routers=topk,seqtopk', '--top_ks=2', '--seeds=1', '--max_iters=3', '--jobs=2',
+            f'--train_args={TINY} --n_exp=4 --eval_interval=3']
+    started = run('experiments/sweep.py', '--out_dir=started', *args, cwd=workdir)
+    forked = sweep('--out_dir=forked', *args, cwd=workdir)
+    assert started.returncode == forked.returncode == 0, started.stderr + forked.stderr
+
+    def records(folder, name):  # each record of the run's log but its times, id and folder
+        def bare(value):
+            if isinstance(value, dict):
+                return {k: bare(v) for k, v in value.items() if k not in ('time', 'run_id')}
+            return value.replace(folder, 'S') if isinstance(value, str) else value
+        lines = (workdir / folder / name / 'log.jsonl').read_text().splitlines()
+        return [bare(json.loads(line)) for line in lines]
+    for name in ('topk-k2-s1', 'seqtopk-k2-s1'):
+        assert records('forked', name) == records('started', name)
+        assert len(records('forked', name)) == 4  # start, two evaluations, done
+
+
 @pytest.mark.long
 def test_a_pretraining_sweep_adds_dense_rows_and_paired_differences(workdir):
     args = ['--out_dir=pre', '--routers=topk,mrltopk', '--top_ks=4,2', '--seeds=1,2',
