@@ -175,6 +175,14 @@ def run(script, *args, cwd, env=OFFLINE_ENV, driver=None):
         return subprocess.CompletedProcess(command, code, open(out).read(), open(err).read())
 
 
+# a driver's last lines (it imports os, runpy and sys): the script, as `python script args` runs it
+THE_SCRIPT = """
+script, sys.argv = sys.argv[1], sys.argv[1:]
+sys.path.insert(0, os.path.dirname(script))  # as `python script` would
+runpy.run_path(script, run_name='__main__')
+"""
+
+
 # `python -c FORKED_RUNS experiments/sweep.py args`: the sweep, whose runs are forked from its own
 # process (the zygote's, torch imported) instead of a fresh `python train.py` each. A run is still a
 # process of its own as Popen's would be: its session, PDEATHSIG, log, argv, signal dispositions,
@@ -225,10 +233,7 @@ def launch(cmd, *args, **kwargs):  # train.py forked; git and the like started a
     return (Forked if cmd[:2] == [sys.executable, TRAIN] else Popen)(cmd, *args, **kwargs)
 
 subprocess.Popen = launch
-script, sys.argv = sys.argv[1], sys.argv[1:]
-sys.path.insert(0, os.path.dirname(script))  # as `python script` would
-runpy.run_path(script, run_name='__main__')
-""".replace('TRAIN', repr(os.path.join(REPO, 'train.py')))
+""".replace('TRAIN', repr(os.path.join(REPO, 'train.py'))) + THE_SCRIPT
 
 
 def sweep(*args, cwd):

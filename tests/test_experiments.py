@@ -152,8 +152,9 @@ def test_a_sweep_run_forked_to_save_its_imports_trains_exactly_as_one_started_af
         lines = (workdir / folder / name / 'log.jsonl').read_text().splitlines()
         return [bare(json.loads(line)) for line in lines]
     for name in ('topk-k2-s1', 'seqtopk-k2-s1'):
-        assert records('forked', name) == records('started', name)
-        assert len(records('forked', name)) == 4  # start, two evaluations, done
+        forked_log = records('forked', name)
+        assert forked_log == records('started', name)
+        assert len(forked_log) == 4  # start, two evaluations, done
 
 
 @pytest.mark.long
@@ -560,8 +561,8 @@ def test_a_slurm_sweep_runs_each_run_as_a_submitit_job_that_resumes_when_preempt
          '--launcher=slurm'], cwd=workdir, capture_output=True, text=True)
     assert one_error_line(no_submitit) == \
         "error: --launcher=slurm needs submitit: pip install submitit"
-    started, _, log = sweep_in_training(workdir, 'slurm', '1', '--launcher=slurm', '--slurm_gpus=0',
-                                      python=ON_SUBMITIT_LOCAL)
+    started, _, log = sweep_in_training(workdir, 'slurm', '1', '--launcher=slurm',
+                                        '--slurm_gpus=0', python=ON_SUBMITIT_LOCAL)
     [controller] = children(started.pid)  # submitit's, which runs the job
     [job] = children(controller)
     os.kill(job, signal.SIGUSR2)  # submitit's signal: preempted (or its time is nearly up)

@@ -17,7 +17,8 @@ import time
 import pytest
 import torch
 
-from conftest import HANG, OFFLINE_ENV, REPO, TINY, exit_message, one_error_line, run
+from conftest import (HANG, OFFLINE_ENV, REPO, THE_SCRIPT, TINY, exit_message, one_error_line,
+                      run)
 
 # -----------------------------------------------------------------------------
 # checkpoint files
@@ -473,10 +474,7 @@ def full_disk_open(file, mode='r', *args, **kwargs):
     return f
 
 builtins.open = full_disk_open
-script, sys.argv = sys.argv[1], sys.argv[1:]
-sys.path.insert(0, os.path.dirname(script))  # as `python script` would
-runpy.run_path(script, run_name='__main__')
-"""
+""" + THE_SCRIPT
 
 
 def run_on_a_full_disk(script, *args, cwd, target, limit=1000, skip=0, kill=False):
