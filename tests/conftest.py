@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import textwrap
 
 import pytest
 import torch
@@ -239,6 +240,34 @@ subprocess.Popen = launch
 def sweep(*args, cwd):
     """experiments/sweep.py with its runs forked (FORKED_RUNS), as run() gives it."""
     return run('experiments/sweep.py', *args, cwd=cwd, driver=FORKED_RUNS)
+
+
+# `python -c TWO_RANKS train.py args`: a DDP job of two ranks as `torchrun --standalone
+# --nproc_per_node=2 train.py args` starts it (their environment: the env:// rendezvous on a free
+# port; one stdout; a rank that fails ends the job), each rank forked (torch imported) instead of
+# three fresh Pythons' 12 CPU seconds of imports. For the claims about DDP's results; those about
+# torchrun itself run torchrun.
+TWO_RANKS = r"""
+import os, runpy, signal, socket, sys
+with socket.socket() as free:
+    free.bind(('127.0.0.1', 0))
+    port = free.getsockname()[1]
+pids = []
+for rank in range(2):
+    pids.append(os.fork())
+    if not pids[-1]:
+        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE='2',
+                          LOCAL_WORLD_SIZE='2', MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port))
+SCRIPT
+        sys.exit(0)
+codes = {}
+while len(codes) < len(pids):
+    pid, status = os.wait()
+    codes[pid] = os.waitstatus_to_exitcode(status)
+    for other in set(pids) - set(codes) if codes[pid] else ():  # as torchrun: the job ends
+        os.kill(other, signal.SIGKILL)
+sys.exit(next((code for code in codes.values() if code), 0))
+""".replace('SCRIPT', textwrap.indent(THE_SCRIPT.strip(), ' ' * 8))
 
 
 def one_error_line(result):

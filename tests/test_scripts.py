@@ -15,8 +15,8 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import (HANG, OFFLINE_ENV, REPO, TINY, exit_message, one_error_line, run,
-                      tiny_config)
+from conftest import (HANG, OFFLINE_ENV, REPO, TINY, TWO_RANKS, exit_message, one_error_line,
+                      run, tiny_config)
 
 
 def logged(out_dir, event='train'):
@@ -192,9 +192,10 @@ def test_bench_decodes_in_the_dtype_it_is_given(tmp_path):
     kv_bytes = {}
     # bench also checks its decoding loop against generate() in that dtype
     for dtype in ('float32', 'bfloat16'):
-        result = run('bench.py', '--what=decode', f'--dtype={dtype}', '--decode_block_size=64',
-                     '--prompt_tokens=8', '--new_tokens=16', '--contexts=16',
-                     '--steps_at_context=8', '--repeats=1', f'--out_dir={tmp_path / dtype}',
+        result = run('bench.py', '--what=decode', f'--dtype={dtype}', '--decode_size=tiny',
+                     '--decode_block_size=64', '--prompt_tokens=8', '--new_tokens=16',
+                     '--contexts=16', '--steps_at_context=8', '--repeats=1',
+                     f'--out_dir={tmp_path / dtype}',
                      # the compiled step has its own tests (test_decoding.py)
                      '--decode_ways=eager', cwd=tmp_path)
         assert result.returncode == 0, result.stderr
@@ -625,10 +626,7 @@ def test_ddp_on_two_cpu_processes_matches_one_process_with_the_same_global_batch
     tag = router.replace('+', '-').replace('=', '-')
     single = run('train.py', *common, f'--out_dir=single-{tag}', cwd=workdir)
     assert single.returncode == 0, single.stderr
-    ddp = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--standalone',
-                          '--nproc_per_node=2', os.path.join(REPO, 'train.py'), *common,
-                          f'--out_dir=ddp-{tag}'],
-                         cwd=workdir, env=OFFLINE_ENV, capture_output=True, text=True, timeout=HANG)
+    ddp = run('train.py', *common, f'--out_dir=ddp-{tag}', cwd=workdir, driver=TWO_RANKS)
     assert ddp.returncode == 0, ddp.stderr
     assert '2 processes' in ddp.stdout
     a, b = (logged(workdir / d, 'eval')[-1] for d in (f'single-{tag}', f'ddp-{tag}'))
