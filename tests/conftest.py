@@ -8,9 +8,10 @@ import atexit
 import json
 import os
 import runpy
-import select
+import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -103,77 +104,140 @@ def train_step(model, x, y, moe_ks=None):
 # -----------------------------------------------------------------------------
 # the scripts
 
-# A process that has imported torch once and forks a process for each script run: the script runs
-# as `python script args` would, in a process of its own, with its argv, sys.path[0], cwd,
-# environment, stdout, stderr and exit status (a SystemExit's, a traceback's), but without its 3-5
-# CPU seconds of `import torch` (torch.optim's first use imports torch._dynamo too); or as
-# `python -c driver script args` would, a driver that changes something and runs the script.
+# A process that has imported torch once and forks a process for each script run: `python args`
+# as python would run it, in a process of its own, with its argv, sys.path[0], cwd, environment,
+# stdin, stdout, stderr and exit status (a SystemExit's, a traceback's), but without its 3-5 CPU
+# seconds of `import torch` (torch.optim's first use imports torch._dynamo too). A run whose
+# environment changes what python and torch read as they start (PYTHONPATH, OMP_NUM_THREADS, ...)
+# starts afresh. It listens on a Unix socket: a request is the run's argv, cwd and environment, with
+# its stdin, stdout and stderr; the answers, the run's pid and its exit status. Requests may
+# overlap (a bash script's parts): each is handled in a process of its own.
 ZYGOTE = r"""
-import json, os, runpy, sys
+import json, os, runpy, signal, socket, sys
 import numpy, torch, torch._dynamo  # no thread started yet: safe to fork
-for request in sys.stdin:
-    script, args, driver, cwd, env, out, err = json.loads(request)
+AT_START = ('PYTHON', 'LD_', 'OMP_', 'MKL_', 'KMP_', 'TORCH_', 'PYTORCH_')
+started = {k: v for k, v in os.environ.items() if k.startswith(AT_START)}
+signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the handlers, reaped as they end
+server = socket.socket(socket.AF_UNIX)
+server.bind(sys.argv[1])
+server.listen(64)
+print('listening', flush=True)
+while True:
+    conn = server.accept()[0]
+    if os.fork():
+        conn.close()
+        continue
+    server.close()  # a request's handler: the run forked, waited for, its pid and status said
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    request, fds = b'', []
+    while not request.endswith(b'\n'):
+        data, received, _, _ = socket.recv_fds(conn, 1 << 16, 3)
+        request, fds = request + data, fds + received
+    argv, cwd, env = json.loads(request)
     pid = os.fork()
     if pid == 0:  # the run: its own files, folder, environment and arguments
-        for fd, path, flags in ((0, os.devnull, os.O_RDONLY), (1, out, os.O_WRONLY),
-                                (2, err, os.O_WRONLY)):
-            os.dup2(os.open(path, flags), fd)
+        conn.close()
+        for fd, received in enumerate(fds):
+            os.dup2(received, fd)
+            os.close(received)
         os.chdir(cwd)
+        if ({k: v for k, v in env.items() if k.startswith(AT_START)} != started
+                or argv[0].startswith('-') and argv[0] not in ('-c', '-m')):  # -u, -X, ...
+            os.execve(sys.executable, [sys.executable, *argv], env)
         os.environ.clear()
         os.environ.update(env)
-        if driver is None:  # an exception exits as python's does
-            sys.argv, sys.path[0] = [script, *args], os.path.dirname(script)
-            runpy.run_path(script, run_name='__main__')
+        if argv[0] == '-c':  # an exception exits as python's does
+            sys.argv, sys.path[0] = ['-c', *argv[2:]], ''
+            exec(argv[1], {'__name__': '__main__', '__builtins__': __builtins__})
+        elif argv[0] == '-m':
+            sys.argv, sys.path[0] = argv[1:], cwd
+            runpy.run_module(argv[1], run_name='__main__', alter_sys=True)
         else:
-            sys.argv, sys.path[0] = ['-c', script, *args], ''
-            exec(driver, {'__name__': '__main__', '__builtins__': __builtins__})
+            sys.argv, sys.path[0] = argv, os.path.dirname(os.path.abspath(argv[0]))
+            runpy.run_path(argv[0], run_name='__main__')
         sys.exit(0)
-    print(pid, flush=True)
-    print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), flush=True)
+    conn.sendall(b'%d\n' % pid)
+    conn.sendall(b'%d\n' % os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+    os._exit(0)
 """
-zygote = None  # this process's (each pytest-xdist worker has its own)
+zygote = None  # this process's (each pytest-xdist worker has its own), and its socket's path
 
 
-def zygote_says(timeout):
-    """The zygote's next line, a number (None if it says nothing for timeout seconds), read byte by
-    byte: nothing waits in a buffer that select cannot see."""
-    said = b''
-    while not said.endswith(b'\n'):
-        if not select.select([zygote.stdout], [], [], timeout)[0]:
-            return None
-        byte = os.read(zygote.stdout.fileno(), 1)
-        assert byte, 'the zygote died'
-        said += byte
-    return int(said)
+def zygote_socket():
+    """The path of this process's zygote's socket, the zygote started at the first call."""
+    global zygote
+    if zygote is None or zygote[0].poll() is not None:
+        folder = tempfile.mkdtemp()
+        path = os.path.join(folder, 'zygote')
+        started = subprocess.Popen([sys.executable, '-c', ZYGOTE, path], env=OFFLINE_ENV,
+                                   text=True, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE)
+        assert started.stdout.readline() == 'listening\n', 'the zygote did not start'
+        atexit.register(shutil.rmtree, folder, True)
+        atexit.register(started.wait)
+        atexit.register(started.kill)  # first: atexit runs these in reverse
+        zygote = started, path
+    return zygote[1]
+
+
+# A `python` for a script that is not Python (gpu.sh): each run forked from the zygote as run()'s
+# are, the signals it gets passed on, the run's exit status its own (a SIGKILL ends only it: for
+# runs that no limit stops)
+PYTHON = r"""
+import json, os, signal, socket, sys
+with socket.socket(socket.AF_UNIX) as conn:
+    conn.connect(SOCKET)
+    socket.send_fds(conn, [json.dumps([sys.argv[1:], os.getcwd(), dict(os.environ)]).encode()
+                           + b'\n'], [0, 1, 2])
+    said = conn.makefile()
+    pid = int(said.readline())
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, lambda sig, frame: os.kill(pid, sig))
+    code = int(said.readline())
+if code < 0:  # killed by a signal: so is this
+    signal.signal(-code, signal.SIG_DFL)
+    os.kill(os.getpid(), -code)
+sys.exit(code)
+"""
+
+
+def forking_python(folder):
+    """folder, made, with a `python` in it (PYTHON), to put first on a script's PATH."""
+    os.makedirs(folder)
+    code, shim = (os.path.join(folder, name) for name in ('forking_python.py', 'python'))
+    with open(code, 'w') as f:
+        f.write(PYTHON.replace('SOCKET', repr(zygote_socket())))
+    with open(shim, 'w') as f:  # -S: the standard library only, started in milliseconds
+        f.write(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} -S {shlex.quote(code)} "$@"\n')
+    os.chmod(shim, 0o755)
+    return folder
+
+
+def forked(argv, cwd, env, stdin, stdout, stderr, timeout=HANG):
+    """`python argv` forked from the zygote (ZYGOTE), files given as open files: its exit status;
+    after timeout seconds of a hang, killed, as subprocess.run's timeout ends it."""
+    with socket.socket(socket.AF_UNIX) as conn:
+        conn.connect(zygote_socket())
+        socket.send_fds(conn, [json.dumps([argv, str(cwd), env]).encode() + b'\n'],
+                        [f.fileno() for f in (stdin, stdout, stderr)])
+        conn.settimeout(timeout)
+        said = conn.makefile()
+        pid = int(said.readline())
+        try:
+            return int(said.readline())
+        except TimeoutError:
+            os.kill(pid, signal.SIGKILL)
+            raise subprocess.TimeoutExpired(argv, timeout)
 
 
 def run(script, *args, cwd, env=OFFLINE_ENV, driver=None):
     """`python script args` (or `python -c driver script args`) in cwd, as subprocess.run(...,
-    capture_output=True) gives it; forked from the zygote where the environment is the tests' own
-    (another one may change what `import torch` reads)."""
-    global zygote
-    path = os.path.join(REPO, script)
-    command = [sys.executable, *(('-c', driver) if driver else ()), path, *args]
-    if env is not OFFLINE_ENV:
-        return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True,
-                              timeout=HANG)
-    if zygote is None or zygote.poll() is not None:
-        zygote = subprocess.Popen([sys.executable, '-c', ZYGOTE], env=OFFLINE_ENV, text=True,
-                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=1)
-        atexit.register(zygote.communicate)  # its end (its CPU time counted as the runs')
-    with tempfile.TemporaryDirectory() as tmp:
-        out, err = os.path.join(tmp, 'out'), os.path.join(tmp, 'err')
-        for name in (out, err):
-            open(name, 'w').close()
-        zygote.stdin.write(json.dumps([path, list(args), driver, str(cwd), env, out, err]) + '\n')
-        zygote.stdin.flush()
-        pid = zygote_says(HANG)
-        code = zygote_says(HANG)
-        if code is None:  # a hang: ended, as subprocess.run's timeout ends it
-            os.kill(pid, signal.SIGKILL)
-            zygote_says(HANG)
-            raise subprocess.TimeoutExpired(path, HANG)
-        return subprocess.CompletedProcess(command, code, open(out).read(), open(err).read())
+    capture_output=True) gives it, forked from the zygote."""
+    argv = [*(('-c', driver) if driver else ()), os.path.join(REPO, script), *args]
+    with tempfile.TemporaryFile('w+') as out, tempfile.TemporaryFile('w+') as err, \
+            open(os.devnull) as nothing:
+        code = forked(argv, cwd, env, nothing, out, err)
+        out.seek(0), err.seek(0)
+        return subprocess.CompletedProcess([sys.executable, *argv], code, out.read(), err.read())
 
 
 # a driver's last lines (it imports os, runpy and sys): the script, as `python script args` runs it

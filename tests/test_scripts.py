@@ -15,8 +15,8 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import (HANG, OFFLINE_ENV, REPO, TINY, TWO_RANKS, exit_message, one_error_line,
-                      run, tiny_config)
+from conftest import (HANG, OFFLINE_ENV, REPO, TINY, TWO_RANKS, exit_message, forking_python,
+                      one_error_line, run, tiny_config)
 
 
 def logged(out_dir, event='train'):
@@ -817,8 +817,10 @@ def test_the_gpu_script_runs_every_part_on_the_cpu_with_tiny_sizes(prepared, tmp
     shutil.copytree(prepared / 'data', tmp_path / 'data')  # it runs where data/ is
     # the parts' limits out of reach (x1000: hours), so that a busy machine cannot fail a part;
     # the limits themselves are tested with commands that sleep (the next test)
+    # its pythons forked from the zygote (sweep.py's runs start afresh)
     result = subprocess.run(['bash', os.path.join(REPO, 'experiments', 'gpu.sh'), 'gpu', '--cpu'],
                             cwd=tmp_path, env=dict(OFFLINE_ENV, GPU_SH_SCALE='1000', PATH=(
+                                f"{forking_python(tmp_path / 'bin')}:"
                                 f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}")),
                             capture_output=True, text=True, timeout=4 * HANG)  # a hang
     assert result.returncode == 0 and 'total: ' in result.stdout, result.stderr
