@@ -113,8 +113,10 @@ def train_step(model, x, y, moe_ks=None):
 # its stdin, stdout and stderr; the answers, the run's pid and its exit status. Requests may
 # overlap (a bash script's parts): each is handled in a process of its own.
 ZYGOTE = r"""
-import json, os, runpy, signal, socket, sys
+import gc, json, os, runpy, signal, socket, sys
+gc.disable()  # gc.freeze's recipe for forks: the imports' objects packed, then frozen
 import numpy, torch, torch._dynamo  # no thread started yet: safe to fork
+gc.freeze()  # never scanned by a run's collections, so their pages stay shared (exit: 1.5 -> 0.6 s)
 AT_START = ('PYTHON', 'LD_', 'OMP_', 'MKL_', 'KMP_', 'TORCH_', 'PYTORCH_')
 started = {k: v for k, v in os.environ.items() if k.startswith(AT_START)}
 signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the handlers, reaped as they end
@@ -136,6 +138,7 @@ while True:
     argv, cwd, env = json.loads(request)
     pid = os.fork()
     if pid == 0:  # the run: its own files, folder, environment and arguments
+        gc.enable()
         conn.close()
         for fd, received in enumerate(fds):
             os.dup2(received, fd)

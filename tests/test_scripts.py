@@ -847,6 +847,33 @@ def test_the_gpu_script_runs_every_part_on_the_cpu_with_tiny_sizes(prepared, tmp
     assert 'Δ vs topk (causal)' in (out / 'sweep.log').read_text()
 
 
+def test_the_python_the_gpu_script_test_forks_ends_and_prints_as_a_fresh_python(tmp_path):
+    # conftest.forking_python: the same lines through it and through the real python, but that the
+    # forked one has torch imported already (unless its environment changes what torch reads)
+    (tmp_path / 'where.py').write_text('import sys; print(sys.argv, sys.path[0])\n')
+    lines = ['python -c "import sys; print(sys.argv, repr(sys.path[0]), input())" a "b c" <<< in',
+             'python where.py x', 'python -m json.tool <<< "[1]"',
+             'python -c "raise SystemExit(3)"', 'python -c "raise SystemExit(\'error: no\')"',
+             'python -c "1/0"', 'python -c "import os; os.kill(os.getpid(), 15)"',
+             'timeout 1 python -c "import time; time.sleep(60)"',
+             'OMP_NUM_THREADS=2 python -c "import sys; print(\'torch\' in sys.modules)"']
+    script = ''.join(f'{line}; echo "exit $?"\n' for line in lines)
+    ran = {}
+    for way, folder in (('fresh', os.path.dirname(sys.executable)),
+                        ('forked', forking_python(tmp_path / 'bin'))):
+        ran[way] = subprocess.run(['bash', '-c', script + "python -c \"import sys; print('torch' "
+                                   "in sys.modules)\""], cwd=tmp_path, capture_output=True,
+                                  env=dict(OFFLINE_ENV, PATH=f"{folder}:{os.environ['PATH']}"),
+                                  text=True, timeout=HANG)
+    fresh, forked = (ran[way].stdout.splitlines() for way in ('fresh', 'forked'))
+    assert fresh[:-1] == forked[:-1] and [fresh[-1], forked[-1]] == ['False', 'True'], ran
+    assert [line[5:] for line in fresh if line.startswith('exit ')] == [
+        '0', '0', '0', '3', '1', '1', '143', '124', '0']
+    said = ([line for line in ran[way].stderr.splitlines() if not line.startswith(' ')]
+            for way in ('fresh', 'forked'))  # a traceback's frames differ: the zygote's is one
+    assert next(said) == next(said)
+
+
 def test_the_gpu_script_gives_bench_only_settings_bench_accepts_on_a_gpu(tmp_path):
     # its GPU branch runs on a GPU alone: there bench refused the gpu-train and gpu-moe parts'
     # decoding sizes at once. A stand-in python records each command; bench's checks read them
