@@ -249,7 +249,7 @@ def online_seqtopk_counted(scores, k, min_k, max_k, strict=False, past=None, spe
 
 
 def online_token_counted(scores, ranked, order, past, n_past, k, min_k, max_k, spent=None):
-    """router.online_seqtopk_token by counting, for token m = n_past + 1 (scores (B, N), their
+    """router.online_seqtopk_mask by counting, for token m = n_past + 1 (scores (B, N), their
     best max_k ranked (B, max_k) with their experts' order) after the Expert Cache past (B, P, R)
     of n_past tokens (past None: none; no row past them): its candidate of rank r wins when fewer
     than m*(k - min_k) candidates come before it, the cached ones scoring at least as high

@@ -66,22 +66,18 @@ def expert_cache_rows(scores, min_k, max_k):
     return scores.topk(max_k, dim=-1).values[..., min_k:]
 
 
-def online_seqtopk_token(scores, cached, k, min_k, max_k, spent=None):
-    """Eq. (7), online SeqTopK: token m (scores (B, N)) takes its entries among the top m*k
-    of the scores of tokens 1..m, under the bounds (min_k, max_k), as Eq. (5) over tokens
-    1..m would give its row. cached (B, m-1, R): the Expert Cache of tokens 1..m-1.
-    spent (B,), given (the strict budget): tokens 1..m take at most m*k in all."""
-    B, N = scores.shape
-    m, R = cached.shape[1] + 1, max_k - min_k
-    ranked, order = scores.topk(max_k, dim=-1)  # (B, max_k): token m's best, best first
-    # as Eq. (5): every token its best min_k; the other m*(k - min_k) places to the best
-    # candidates of tokens 1..m, an earlier token winning ties (the rows in order)
-    candidates = torch.cat([cached, ranked[:, None, min_k:]], dim=1)  # (B, m, R)
-    won = top_entries(candidates.view(B, m * R), m * (k - min_k)).view(B, m, R)[:, -1]
+def online_seqtopk_token(S, k, min_k, spent=None):
+    """Eq. (7), online SeqTopK: token m's experts by rank (B, max_k), best first. S (B, m, R):
+    the Expert Cache of tokens 1..m (Eq. 6), token m's row last. As Eq. (5) over tokens 1..m
+    gives its row: every token takes its best min_k, and the other m*(k - min_k) places go to
+    the top entries of S, an earlier token winning ties; token m takes its best min_k and its
+    entries among them. spent (B,), given (the strict budget): tokens 1..m take at most m*k."""
+    B, m, R = S.shape
+    won = top_entries(S.reshape(B, m * R), m * (k - min_k))[:, -R:]  # (B, R): token m's row
     taken = torch.cat([won.new_ones(B, min_k), won], dim=-1)  # (B, max_k): by rank
-    if spent is not None:
-        taken &= torch.arange(max_k, device=scores.device) < (m * k - spent)[:, None]
-    return torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, order, taken)
+    if spent is not None:  # its best ones, up to what is left of m*k
+        taken &= torch.arange(min_k + R, device=S.device) < (m * k - spent)[:, None]
+    return taken
 
 
 def online_seqtopk_mask(scores, k, min_k=1, max_k=None, strict=False, cached=None,
@@ -93,16 +89,16 @@ def online_seqtopk_mask(scores, k, min_k=1, max_k=None, strict=False, cached=Non
     Expert Cache keeps of them (Eq. 6)."""
     B, T, N = scores.shape
     min_k, max_k = seqtopk_bounds(k, N, min_k, max_k)
-    rows = expert_cache_rows(scores, min_k, max_k)  # (B, T, R)
-    cached = rows[:, :0] if cached is None else cached
+    ranked, order = scores.topk(max_k, dim=-1)  # (B, T, max_k): each token's best, best first
+    rows = ranked[..., min_k:]  # (B, T, R): their ranks min_k..max_k-1 (expert_cache_rows)
+    S = torch.cat([rows[:, :0] if cached is None else cached, rows], dim=1)  # (B, P + T, R)
     spent = rows.new_zeros(B, dtype=torch.long) if spent is None else spent
-    masks = []
-    for t in range(T):  # token t + 1 of the new ones, after the cached tokens and t new ones
-        before = cached if t == 0 else torch.cat([cached, rows[:, :t]], dim=1)
-        masks.append(online_seqtopk_token(scores[:, t], before, k, min_k, max_k,
-                                          spent if strict else None))
-        spent = spent + masks[-1].sum(-1)
-    return torch.stack(masks, dim=1), rows  # (B, T, N), (B, T, R)
+    taken = []
+    for m in range(S.shape[1] - T + 1, S.shape[1] + 1):  # token m against S's rows 1..m
+        taken.append(online_seqtopk_token(S[:, :m], k, min_k, spent if strict else None))
+        spent = spent + taken[-1].sum(-1)
+    taken = torch.stack(taken, dim=1)  # (B, T, max_k): each token's experts by rank
+    return torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, order, taken), rows
 
 
 def batchtopk_mask(scores, k):

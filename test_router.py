@@ -135,11 +135,11 @@ def test_online_seqtopk_token_m_takes_its_count_of_the_best_selection_over_token
         scores = random_scores(2, 3, N, seed=10 + seed, ties=ties)
         for min_k, max_k in [(1, 3), (0, 4), (1, 4), (2, 2)]:
             for m in (1, 2, 3):
-                cached = expert_cache_rows(scores[:, :m - 1], min_k, max_k)
-                row = online_seqtopk_token(scores[:, m - 1], cached, k, min_k, max_k)
+                S = expert_cache_rows(scores[:, :m], min_k, max_k)  # tokens 1..m, token m last
+                row = online_seqtopk_token(S, k, min_k)  # (B, max_k): by rank
                 for b in range(2):
                     assert row[b].sum() == brute_force(scores[b, :m], k, min_k, max_k)[1][-1]
-                assert takes_its_best(scores[:, m - 1:m], row[:, None])
+                assert torch.equal(row, torch.arange(max_k) < row.sum(-1, keepdim=True))
 
 
 @pytest.mark.parametrize("strict", [False, True])
@@ -156,8 +156,8 @@ def test_the_counted_decoding_step_equals_eq_7_against_a_static_buffer_of_the_ex
             buffer = torch.full((3, 16, max_k - min_k), 2.0)
             spent = torch.zeros(3, dtype=torch.long)
             for m in range(1, 13):
-                cap = spent if strict else None
-                want = online_seqtopk_token(scores[:, m - 1], rows[:, :m - 1], k, min_k, max_k, cap)
+                want = online_seqtopk_mask(scores[:, m - 1:m], k, min_k, max_k, strict,
+                                           rows[:, :m - 1], spent)[0][:, 0]
                 got = fast.online_seqtopk_counted(scores[:, m - 1:m], k, min_k, max_k, strict,
                                                   buffer, spent, torch.tensor([m - 1]))[0][:, 0]
                 assert torch.equal(got, want)
@@ -230,13 +230,12 @@ def test_the_expert_cache_is_all_a_new_token_needs_to_be_routed_online(ties):
         for m in range(1, 11):
             cached = expert_cache_rows(scores[:, :m - 1], min_k, max_k)  # (B, m-1, R)
             assert cached.shape == (2, m - 1, max_k - min_k)
-            row = online_seqtopk_token(scores[:, m - 1], cached, k, min_k, max_k)
-            assert torch.equal(row, seqtopk_mask(scores[:, :m], k, min_k, max_k)[:, -1])
+            row = online_seqtopk_mask(scores[:, m - 1:m], k, min_k, max_k, cached=cached)[0]
+            assert torch.equal(row[:, 0], seqtopk_mask(scores[:, :m], k, min_k, max_k)[:, -1])
     # earlier tokens win ties: after a token of the same scores, token 2's share of the budget
     # beyond the floors (2 x (k - min_k) = 2) goes to the cached candidates, which come first
-    even = torch.full((1, 8), 1 / 8)
-    row = online_seqtopk_token(even, expert_cache_rows(even[:, None], 1, 4), 2, 1, 4)
-    assert row.sum() == 1
+    even = torch.full((1, 2, 8), 1 / 8)
+    assert online_seqtopk_token(expert_cache_rows(even, 1, 4), 2, 1).sum() == 1
 
 
 @pytest.mark.parametrize("strict", [False, True])

@@ -15,7 +15,7 @@ from conftest import counting_batches, needs_cuda, tiny_config, trained_tiny
 from cache import Cache
 from model import GPT
 from sample import compiled_decode, generate
-from router import ROUTERS, expert_cache_rows, online_seqtopk_token
+from router import ROUTERS, expert_cache_rows, online_seqtopk_mask
 
 
 # -----------------------------------------------------------------------------
@@ -138,10 +138,9 @@ def test_a_prompt_routed_jointly_takes_offline_seqtopk_then_decodes_online():
     for t in range(12, 20):
         _, _, step = model(seq[:, t:t + 1], cache=cache)
         for layer, (mask, scores) in enumerate(step['routing']):
-            want = online_seqtopk_token(scores[:, 0], cached[layer], 2, 1, 4)
-            assert torch.equal(mask[:, 0], want)
-            alone.append(torch.equal(want, online_seqtopk_token(scores[:, 0], cached[layer][:, :0],
-                                                                2, 1, 4)))
+            want = online_seqtopk_mask(scores, 2, 1, 4, cached=cached[layer])[0]
+            assert torch.equal(mask, want)
+            alone.append(torch.equal(want, online_seqtopk_mask(scores, 2, 1, 4)[0]))
             cached[layer] = torch.cat([cached[layer], expert_cache_rows(scores, 1, 4)], dim=1)
     assert not all(alone)  # the cache decided: as first tokens, some would take other experts
 
@@ -159,9 +158,9 @@ def test_a_decoded_token_ranks_each_layer_s_scores_once_for_its_choice_and_its_c
     monkeypatch.setattr(torch.Tensor, 'topk', lambda t, *a, **kw: ranked.append(t.shape)
                         or real_topk(t, *a, **kw))
     model.decode_token(torch.randint(0, 16, (2, 1)), cache)
-    # the plain rule ranks the token once for its rows and once for its own decision (Eq. 7's
-    # top m*(K - min_k), a topk of the candidates too); counted, one ranking in all
-    per_layer = 3 if paths is not fast.paths else 1
+    # the plain rule ranks the token once, and Eq. 7's top m*(K - min_k) ranks the Expert Cache's
+    # candidates with its own; counted, one ranking in all
+    per_layer = 2 if paths is not fast.paths else 1
     assert len(ranked) == per_layer * len(model.routers())
     assert cache.layers[0].expert_cache.shape[1] == 7 and cache.layers[0].spent.shape == (2,)
 
