@@ -226,6 +226,18 @@ def test_the_model_s_files_import_neither_the_fast_paths_nor_the_scripts_tools()
     assert result.stdout.split('\n')[:2] == ['[]', 'False'], result.stderr
 
 
+def test_the_model_fits_in_800_lines():
+    # README's reading order: model.py, router.py and cache.py, the whole model, in the lines said
+    import os
+    import re
+    from conftest import REPO
+    readme = open(os.path.join(REPO, 'README.md'), encoding='utf-8').read()
+    said = int(re.search(r'are the whole model in at most (\d+) lines', readme).group(1))
+    files = [open(os.path.join(REPO, f), encoding='utf-8').read() for f in ('model.py', 'router.py',
+                                                                           'cache.py')]
+    assert said == 800 and sum(text.count('\n') for text in files) <= said
+
+
 @pytest.mark.parametrize("router", ["topk", "mrltopk", "seqtopk", "batchtopk"])
 def test_the_exact_budgets_dispatch_with_static_shapes_equal_to_the_dynamic_path(
         router, monkeypatch):
