@@ -103,9 +103,9 @@ def graph_step(model, device_type):
 
 def compiled(model, graphs):
     """The model compiled for its training step (as CUDA graphs where graphs) and for evaluation,
-    never as CUDA graphs: out of training the pairs are counted (exact_pairs: None), as many as
-    the data's (causal seqtopk, batchtopk's threshold, relu), a graph recorded per count or none.
-    No compile added: the step's would recompile for model.eval() anyway (training is guarded)."""
+    never as CUDA graphs: out of training seqtopk's, batchtopk's and relu's pairs are counted
+    (exact_pairs: None), as many as the data's, a graph recorded per count or none. No compile
+    added: the step's module would recompile for model.eval() anyway (training is guarded)."""
     step = torch.compile(model, mode='reduce-overhead' if graphs else None)
     return step, torch.compile(model) if graphs else step
 
