@@ -228,7 +228,7 @@ def bench_train(results, gpu):
             for way in way_list():
                 models[router, way] = model = fast.paths(build(router, shape).train())
                 # compiled as train.py compiles it: CUDA graphs where its step allows them
-                graphs = device_type == 'cuda' and fast.static_step(model)
+                graphs = fast.graph_step(model, device_type)
                 step_model = (torch.compile(model, mode='reduce-overhead' if graphs else None)
                               if way == 'compiled' else model)
                 opt = model.configure_optimizers(0.1, 1e-4, (0.9, 0.99), device_type)

@@ -92,6 +92,24 @@ def static_step(model):
     return all(exact_pairs(r, 1) is not None and type(r) is not MRLTopK for r in model.routers())
 
 
+def graph_step(model, device_type):
+    """Whether train.py and bench run the model's training step as CUDA graphs: on a GPU, its
+    shapes static (static_step) and no router with state (buffers), which its forward may update
+    (batchtopk's and relu's counts since the last step, balance='bias''s load): a replay's update
+    was never tested equal to eager's."""
+    stateless = not any(True for r in model.routers() for _ in r.buffers())
+    return device_type == 'cuda' and static_step(model) and stateless
+
+
+def compiled(model, graphs):
+    """The model compiled for its training step (as CUDA graphs where graphs) and for evaluation,
+    never as CUDA graphs: out of training seqtopk's, batchtopk's and relu's pairs are counted
+    (exact_pairs: None), as many as the data's, a graph recorded per count or none. No compile
+    added: the step's module would recompile for model.eval() anyway (training is guarded)."""
+    step = torch.compile(model, mode='reduce-overhead' if graphs else None)
+    return step, torch.compile(model) if graphs else step
+
+
 def sorted_experts(x, mask, gates, w_fc, w_proj, router, mm=None):
     """moe_sorted with the pair count where the router's budget is exact (static shapes, no host
     sync: one compiled graph of the training forward); on a GPU, k where every token takes k

@@ -200,12 +200,11 @@ if init_from == 'resume':  # a fine-tune starts a fresh optimizer (and warmup) o
 run.claim()  # out_dir, held by this run until it exits (rank 0, when it writes there)
 scaler = torch.amp.GradScaler(device_type, enabled=dtype == 'float16')  # fp16: loss scaling
 raw_model, routers = model, model.routers()  # no routers: a dense GPT
-# compiled on one GPU, a step with static shapes and no host sync runs as CUDA graphs: its
-# hundreds of kernels launched as a few replays (each model call marks a new step)
-graphs = compile and device_type == 'cuda' and fast.static_step(raw_model) and not ddp and \
-    gradient_accumulation_steps == 1
-if compile:
-    model = torch.compile(model, mode='reduce-overhead' if graphs else None)
+# compiled on one GPU, a training step that fast.graph_step allows runs as CUDA graphs (its
+# hundreds of kernels launched as a few replays); evaluation never does (fast.compiled)
+graphs = compile and not ddp and gradient_accumulation_steps == 1 and \
+    fast.graph_step(raw_model, device_type)
+model, eval_model = fast.compiled(model, graphs) if compile else (model, model)
 if ddp:  # the routers' buffers (batchtopk's threshold, relu's lambda) are averaged instead
     model = DDP(model, device_ids=[device] if device_type == 'cuda' else None,
                 broadcast_buffers=False)
@@ -224,9 +223,8 @@ def evaluate(split, online=None, entropy_bins=10):
     ce, aux, counts = [], [], None
     for _ in range(eval_iters):
         X, Y = get_batch(split, gen)
-        new_step()
         with ctx:
-            logits, loss, extra = model(X, Y, online=online)
+            logits, loss, extra = eval_model(X, Y, online=online)
         ce.append(loss.item())
         aux.append(float(extra['aux_loss']))
         if extra['routing']:
@@ -252,11 +250,6 @@ def estimate_loss():
               for i, r in enumerate(routers)]
     model.train()
     return losses, layers
-
-
-def new_step():  # CUDA graphs: the last call's outputs are read; the next replay may overwrite them
-    if graphs:
-        torch.compiler.cudagraph_mark_step_begin()
 
 
 def get_lr(it):
@@ -321,8 +314,7 @@ if eval_only and any(r.needs_calibration() for r in routers):
     calibration = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for _ in range(eval_iters):
-            new_step()
-            model(*get_batch('train', calibration))
+            eval_model(*get_batch('train', calibration))
             raw_model.after_step()  # the routers' step rule: here batchtopk's threshold
 spend = ExpertSpend(checkpoint if init_from == 'resume' else {}, device)  # experts per token
 batch_state = batch_gen.get_state()  # the state that draws X, Y: a resumed run redraws them
@@ -343,7 +335,8 @@ while True:
     for micro_step in range(gradient_accumulation_steps):
         if ddp:  # gradients are all-reduced on the last micro-step only
             model.require_backward_grad_sync = micro_step == gradient_accumulation_steps - 1
-        new_step()
+        if graphs:  # a new step (CUDA graphs)
+            torch.compiler.cudagraph_mark_step_begin()
         with ctx:  # ce and aux read before the next call: a CUDA graph's replay overwrites them
             _, ce, extra = model(X, Y, moe_ks=moe_ks)
             loss = (ce + extra['aux_loss']) / gradient_accumulation_steps
