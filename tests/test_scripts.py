@@ -1103,9 +1103,8 @@ def test_sample_s_tokens_per_second_count_the_generated_tokens_not_the_prompt(
 # W&B as its users expect: a resumed run continues its W&B run, which ends with it; an init
 # failure is one line before anything is written (issue 75)
 
-def wandb_env(tmp_path, **more):
-    return {**OFFLINE_ENV, 'WANDB_MODE': 'offline', 'WANDB_DIR': str(tmp_path),
-            'WANDB_SILENT': 'true', **more}
+def wandb_env(tmp_path, **more):  # W&B's own lines not silenced: an error is still one line
+    return {**OFFLINE_ENV, 'WANDB_MODE': 'offline', 'WANDB_DIR': str(tmp_path), **more}
 
 
 def test_a_resumed_run_continues_its_wandb_run_at_the_step_it_resumes(workdir, tmp_path):
@@ -1184,4 +1183,12 @@ def test_a_wandb_init_failure_is_one_line_before_the_run_s_folder_is_written(wor
     line = one_error_line(run('train.py', TINY, '--max_iters=2', '--wandb_log=True',
                               f'--out_dir={out}-online', cwd=workdir, env=env))
     assert 'No API key configured' in line and 'WANDB_MODE=offline' in line
+    # a key and no answer: the error line after WANDB_INIT_TIMEOUT (20 s unless set; W&B's: 90),
+    # below W&B's own lines
+    env.update(WANDB_API_KEY='0' * 40, WANDB_BASE_URL='http://127.0.0.1:9', WANDB_INIT_TIMEOUT='3')
+    late = run('train.py', TINY, '--max_iters=2', '--wandb_log=True', f'--out_dir={out}-online',
+               cwd=workdir, env=env)
+    *theirs, ours = late.stderr.strip().splitlines()
+    assert late.returncode == 1 and all(line.startswith('wandb: ') for line in theirs), late.stderr
+    assert ours.startswith('error: --wandb_log=True: W&B could not start the run (')
     assert not os.path.exists(f'{out}-online')
