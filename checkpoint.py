@@ -383,7 +383,7 @@ class Run:
         self.world_size, self.settings = world_size, settings  # the run's, as they go
         self.log_path, self.ckpt_path, self.lock_path = (
             os.path.join(out_dir, name) for name in ('log.jsonl', 'ckpt.pt', LOCK))
-        self.saved_iter = self.error = self.signal = None
+        self.saved_iter = self.error = self.signal = self.wandb = None
         self.signal_at = 0.0  # when the first signal came: torchrun passes a Ctrl-C on, too
 
     # its folder and files
@@ -434,7 +434,26 @@ class Run:
                 os.replace(path, os.path.join(moved, os.path.basename(path)))
             print(f"note: moved the run that was in {self.out_dir}/ to {moved}/")
 
+    def track(self, project, name, run_id):
+        """Log each evaluation to W&B too, in a W&B run of this run's id: a resumed or requeued
+        run continues it. Called before anything is written: if W&B cannot start, one line."""
+        import wandb  # only when asked for, as in nanoGPT
+        timeout = float(os.environ.get('WANDB_INIT_TIMEOUT', 20))  # W&B's own, 90 s, looks hung
+        try:  # quiet: also no account look-ups (5 s each without a network)
+            self.wandb = wandb.init(project=project, name=name, id=run_id, resume='allow',
+                                    config=self.settings, settings=wandb.Settings(
+                                        quiet=True, init_timeout=timeout))
+        except Exception as e:  # a project name W&B refuses, no API key, no answer in time
+            why = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            self.fail(f"--wandb_log=True: W&B could not start the run ({why}); fix that, or "
+                      f"set WANDB_MODE=offline to log offline (then `wandb sync`), or drop "
+                      f"--wandb_log=True")
+
     def log(self, record):
+        if self.wandb and record['event'] == 'eval':  # its layers flattened: layers/0/load_cv...
+            self.wandb.log({k: v for k, v in record.items() if k != 'layers'} | {
+                f'layers/{i}/{k}': v for i, layer in enumerate(record['layers'])
+                for k, v in layer.items()}, step=record['iter'])
         if self.write and not self.error:
             try:
                 append_line(self.log_path, json.dumps(record))
@@ -540,6 +559,8 @@ class Run:
             self.write_failed()
             print(f"{self.signal or 'signal on another rank'}: stopped after step {step} and saved "
                   f"{self.ckpt_path}; continue with: {self.resume_command()}", flush=True)
+            if self.wandb:  # W&B's run ends here too; the resumed run continues it
+                self.wandb.finish()
         if self.ddp:
             dist.destroy_process_group()
         sys.exit(0)

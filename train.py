@@ -197,6 +197,8 @@ model.to(device)
 optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type)
 if init_from == 'resume':  # a fine-tune starts a fresh optimizer (and warmup) on the weights
     ckpt.restore_state(checkpoint, source, optimizer, batch_gen, quiet=not master_process)
+if wandb_log and master_process:  # W&B's run, whose id is this run's: before any file is written
+    run.track(wandb_project, wandb_run_name or out_dir, run_id)
 run.claim()  # out_dir, held by this run until it exits (rank 0, when it writes there)
 scaler = torch.amp.GradScaler(device_type, enabled=dtype == 'float16')  # fp16: loss scaling
 raw_model, routers = model, model.routers()  # no routers: a dense GPT
@@ -284,11 +286,7 @@ def evaluate_and_save():
     record = dict(event='eval', iter=iter_num, lr=lr, time=time.time() - t_start, layers=layers,
                   experts_trained=spend.per_token(),
                   **{f'{split}_{k}': v for split, d in losses.items() for k, v in d.items()})
-    run.log(record)
-    if wandb_log:  # the record, each layer's statistics flattened: layers/0/load_cv, ...
-        wandb.log({k: v for k, v in record.items() if k != 'layers'} | {
-            f'layers/{i}/{k}': v for i, layer in enumerate(layers) for k, v in layer.items()},
-            step=iter_num)
+    run.log(record)  # and to W&B with --wandb_log=True
     improved = losses['val']['ce'] < best_val_loss
     best_val_loss = min(best_val_loss, losses['val']['ce'])
     if iter_num > 0 and not eval_only and (
@@ -305,9 +303,6 @@ if init_from != 'resume' or eval_only:  # a new run, or an evaluation in a folde
                  run_id=run_id, from_run=from_run, code=code, params=raw_model.num_params(),
                  active_params=raw_model.num_params(active=True)))
     run.write_failed()
-if wandb_log and master_process:  # imported only when asked for, as in nanoGPT
-    import wandb
-    wandb.init(project=wandb_project, name=wandb_run_name or out_dir, config=config)
 run.listen(at_once=eval_only)  # an evaluation has nothing to save
 if eval_only and any(r.needs_calibration() for r in routers):
     # e.g. batchtopk on a checkpoint not trained with it: its threshold set from training batches
@@ -380,3 +375,5 @@ if master_process:  # the run's summary, also the last line of log.jsonl (sweep.
              f"(step {run.saved_iter})")
     print(done_line(summary) + (f"; checkpoint in {run.ckpt_path}" if run.saved_iter is not None
                                 else ''))
+    if run.wandb:
+        run.wandb.finish()

@@ -73,7 +73,11 @@ RULES = dict(out_dir=non_empty, routers=each(one_of(*ROUTERS), router_of),
                         "'' (none), 'active', 'total' or 'active,total'"))
 TRAIN = os.path.join(ROOT, 'train.py')
 LOCK = 'sweep.lock'  # in out_dir: held (flock) by the sweep that runs there
-IGNORED = {'out_dir', 'overwrite', 'init_from'}  # where and how a run starts, not what it trains
+# settings that change no trained weight or evaluation: where and how a run starts and saves,
+# what it logs where, how fast it computes the same model; runs that differ only in these are
+# reused (sweep.py) and paired (analyze.py). Not eval_interval: the steps its log evaluates
+IGNORED = {'out_dir', 'overwrite', 'init_from', 'always_save_checkpoint', 'log_interval',
+           'wandb_log', 'wandb_project', 'wandb_run_name', 'compile', 'moe_impl'}
 print_lock = threading.Lock()
 running = set()  # how to stop each run under way
 stopping = []    # why the sweep stops (a signal, a failed run), once something stopped it

@@ -879,3 +879,45 @@ def test_the_pictures_that_explain_routing_show_each_router_s_selection(
         now, committed = (imread(os.path.join(folder, name)).shape
                           for folder in (tmp_path, os.path.join(REPO, 'results', 'explain')))
         assert all(abs(a - b) <= 4 for a, b in zip(now, committed)), (name, now, committed)
+
+
+# -----------------------------------------------------------------------------
+# settings that change no trained weight or evaluation (sweep.IGNORED): a sweep reuses runs that
+# differ only in them, analyze.py pairs them (issue 75)
+
+LOG_ONLY = dict(wandb_log=True, wandb_project='other', wandb_run_name='x', log_interval=1,
+                compile=True, moe_impl='loop', always_save_checkpoint=True)
+
+
+def test_a_finished_sweep_run_again_with_wandb_logging_on_reuses_its_runs(workdir):
+    # adding --wandb_log=True (or log_interval, compile...) marked every run "made with other
+    # settings"
+    args = ['--out_dir=logged', '--routers=topk', '--top_ks=2', '--seeds=1', '--max_iters=4']
+    train_args = f'--train_args={TINY} --n_exp=4 --exp_dim=16 --eval_interval=4'
+    first = sweep(*args, train_args, cwd=workdir)
+    assert first.returncode == 0, first.stderr
+    log = workdir / 'logged' / 'topk-k2-s1' / 'log.jsonl'
+    made = log.read_bytes()
+    again = sweep(*args, train_args + ''.join(f' --{k}={v}' for k, v in LOG_ONLY.items()),
+                  cwd=workdir)
+    assert again.returncode == 0, again.stderr + again.stdout
+    assert ' $ ' not in again.stdout and log.read_bytes() == made  # no run trained again
+    # what the log evaluates is no logging setting
+    other = sweep(*args, train_args + ' --eval_interval=2', cwd=workdir)
+    assert 'was made with other settings: eval_interval 4 -> 2' in other.stdout, other.stdout
+    one_error_line(other)
+
+
+def test_analyze_pairs_a_run_logged_to_wandb_with_one_that_was_not(tmp_path, monkeypatch,
+                                                                   capsys):
+    # analyze.py refused: "differ in --wandb_log (False, True) besides what is compared"
+    monkeypatch.chdir(tmp_path)
+    config = dict(learning_rate=1e-3, max_iters=800, seed=1, wandb_log=False, log_interval=25,
+                  compile=False, moe_impl='grouped', always_save_checkpoint=False)
+    finished_runs(tmp_path / 'a', 'topk', 2, val_ce=[1.6], config=[dict(config, router='topk')])
+    finished_runs(tmp_path / 'b', 'seqtopk', 2, val_ce=[1.5], experts_trained=[2.0],
+                  experts_mean=[2.0], config=[dict(config, router='seqtopk', **LOG_ONLY)])
+    import analyze
+    analyze.main(['a', 'b', '--equal_compute', '--router=seqtopk', '--top_ks=2'])
+    assert capsys.readouterr().out.splitlines()[-1].split('|')[5].strip() == '-0.1000 (1 seed: ' \
+        'no interval)'

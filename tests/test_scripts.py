@@ -557,27 +557,40 @@ def test_the_log_shows_warmup_then_cosine_decay_to_min_lr_and_mrltopk_drawing_k_
     assert len({r['experts'] for r in train}) > 1
 
 
-def wandb_history(wandb_dir):
-    """The rows an offline wandb run logged, read back from its .wandb file: wandb's own protobuf
-    Records, in LevelDB's log framing (a 7-byte header, 32 KiB blocks of chunks, each with a
-    7-byte header: checksum, length, kind; kind 1 a whole record, 4 a record's last chunk)."""
+def wandb_runs(wandb_dir):
+    """The offline wandb runs under wandb_dir, oldest first, each read back from its .wandb file
+    (wandb's own protobuf Records, in LevelDB's log framing: a 7-byte header, 32 KiB blocks of
+    chunks, each with a 7-byte header: checksum, length, kind; kind 1 a whole record, 4 a
+    record's last chunk) as {'run': its RunRecord, 'rows': [...], 'steps': [...], 'exit': bool}."""
     import struct
     from wandb.proto import wandb_internal_pb2
-    path, = glob.glob(os.path.join(wandb_dir, 'wandb', 'offline-run-*', '*.wandb'))
-    data, pos, chunks, rows = open(path, 'rb').read(), 7, b'', []
-    while pos + 7 <= len(data):
-        if (left := 32768 - pos % 32768) < 7:  # a block's zero padding
-            pos += left
-            continue
-        _, length, kind = struct.unpack('<IHB', data[pos:pos + 7])
-        chunks, pos = chunks + data[pos + 7:pos + 7 + length], pos + 7 + length
-        if kind in (1, 4):
-            record, chunks = wandb_internal_pb2.Record.FromString(chunks), b''
-            if record.HasField('history'):
-                row = {item.key or '/'.join(item.nested_key): json.loads(item.value_json)
-                       for item in record.history.item}
-                rows.append({k: v for k, v in row.items() if not k.startswith('_')})  # wandb's
-    return rows
+    runs = []
+    for path in glob.glob(os.path.join(wandb_dir, 'wandb', 'offline-run-*', '*.wandb')):
+        data, pos, chunks, run = open(path, 'rb').read(), 7, b'', dict(rows=[], steps=[])
+        while pos + 7 <= len(data):
+            if (left := 32768 - pos % 32768) < 7:  # a block's zero padding
+                pos += left
+                continue
+            _, length, kind = struct.unpack('<IHB', data[pos:pos + 7])
+            chunks, pos = chunks + data[pos + 7:pos + 7 + length], pos + 7 + length
+            if kind in (1, 4):
+                record, chunks = wandb_internal_pb2.Record.FromString(chunks), b''
+                if record.HasField('run'):
+                    run['run'] = record.run
+                if record.HasField('history'):
+                    row = {item.key or '/'.join(item.nested_key): json.loads(item.value_json)
+                           for item in record.history.item}
+                    run['rows'].append({k: v for k, v in row.items() if not k.startswith('_')})
+                    run['steps'].append(row['_step'])
+                run['exit'] = run.get('exit') or record.HasField('exit')
+        runs.append(run)
+    return sorted(runs, key=lambda run: run['run'].start_time.ToNanoseconds())
+
+
+def wandb_history(wandb_dir):
+    """The rows the one offline wandb run under wandb_dir logged, wandb's own keys left out."""
+    run, = wandb_runs(wandb_dir)
+    return run['rows']
 
 
 def test_wandb_logs_each_evaluation_s_record_as_the_log_holds_it_offline(workdir, tmp_path,
@@ -1084,3 +1097,98 @@ def test_sample_s_tokens_per_second_count_the_generated_tokens_not_the_prompt(
     out = capsys.readouterr().out
     assert out.startswith('\033[48;5;') and 'tokens/s' not in out, out
     assert "[1 token, from the prompt's forward: no decoding step to time; eager, " in out, out
+
+
+# -----------------------------------------------------------------------------
+# W&B as its users expect: a resumed run continues its W&B run, which ends with it; an init
+# failure is one line before anything is written (issue 75)
+
+def wandb_env(tmp_path, **more):  # W&B's own lines not silenced: an error is still one line
+    return {**OFFLINE_ENV, 'WANDB_MODE': 'offline', 'WANDB_DIR': str(tmp_path), **more}
+
+
+def test_a_resumed_run_continues_its_wandb_run_at_the_step_it_resumes(workdir, tmp_path):
+    # a resume (a SLURM requeue is one) wrote a second W&B run of the same name
+    out, env = tmp_path / 'out', wandb_env(tmp_path)
+    first = run('train.py', TINY, '--max_iters=4', '--eval_interval=2', '--wandb_log=True',
+                f'--out_dir={out}', cwd=workdir, env=env)
+    assert first.returncode == 0, first.stderr
+    resumed = run('train.py', '--max_iters=8', '--init_from=resume', f'--out_dir={out}',
+                  cwd=workdir, env=env)  # the run's own settings, --wandb_log=True among them
+    assert resumed.returncode == 0, resumed.stderr
+    run_id, = {r['run_id'] for r in logged(out, 'start') + logged(out, 'done')}
+    runs = wandb_runs(tmp_path)  # offline: one folder per process, synced into one W&B run
+    assert [r['run'].run_id for r in runs] == [run_id, run_id]
+    assert all(r['run'].resume for r in runs)  # resume='allow': the server joins them
+    assert [r['steps'] for r in runs] == [[0, 2, 4], [4, 6, 8]]  # at step 4 it evaluates again
+    assert [row['iter'] for r in runs for row in r['rows']] == [
+        r['iter'] for r in logged(out, 'eval')]
+
+
+def test_wandb_s_run_is_finished_at_the_end_and_when_a_signal_stops_the_run(workdir, tmp_path):
+    # wandb.finish() was never called; here a stand-in wandb records the calls train.py makes,
+    # and stops the run (SIGTERM) when asked to log step 2
+    (tmp_path / 'wandb.py').write_text(
+        "import json, os, signal\n"
+        "def note(*call):\n"
+        "    print(json.dumps(call), file=open(os.environ['CALLS'], 'a'))\n"
+        "class Settings(dict):\n"
+        "    pass\n"
+        "class Run:\n"
+        "    def log(self, row, step):\n"
+        "        note('log', step)\n"
+        "        if step == 2 and os.environ.get('STOP_AT_2'):\n"
+        "            os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    def finish(self):\n"
+        "        note('finish')\n"
+        "def init(project, name, id, resume, config, settings):\n"
+        "    note('init', project, name, id, resume)\n"
+        "    return Run()\n")
+    out, calls = tmp_path / 'out', tmp_path / 'calls.jsonl'
+    env = dict(OFFLINE_ENV, PYTHONPATH=str(tmp_path), CALLS=str(calls))
+    stopped = run('train.py', TINY, '--max_iters=6', '--eval_interval=2', '--wandb_log=True',
+                  '--wandb_project=p', f'--out_dir={out}', cwd=workdir,
+                  env=dict(env, STOP_AT_2='1'))
+    assert stopped.returncode == 0 and 'stopped after step 3' in stopped.stdout, stopped.stderr
+    resumed = run('train.py', '--init_from=resume', f'--out_dir={out}', cwd=workdir, env=env)
+    assert resumed.returncode == 0, resumed.stderr
+    run_id = logged(out, 'done')[0]['run_id']
+    start = ['init', 'p', str(out), run_id, 'allow']
+    assert [json.loads(line) for line in open(calls)] == [
+        start, ['log', 0], ['log', 2], ['finish'],  # stopped after step 3, saved
+        start, ['log', 4], ['log', 6], ['finish']]
+
+
+def test_a_wandb_init_failure_is_one_line_before_the_run_s_folder_is_written(workdir, tmp_path):
+    # it was a 15-line traceback after the log's start record: the next plain run into that
+    # out_dir needed --overwrite=True
+    out = tmp_path / 'out'
+    bad = run('train.py', TINY, '--max_iters=2', '--wandb_log=True', "--wandb_project=bad/name#1",
+              f'--out_dir={out}', cwd=workdir, env=wandb_env(tmp_path))
+    assert "W&B could not start the run (Invalid project name 'bad/name#1'" in one_error_line(bad)
+    assert not out.exists()
+    # a resume that cannot start its W&B run leaves the run as it was
+    shutil.copytree(workdir / 'run', out)
+    before = {name: (out / name).read_bytes() for name in os.listdir(out)}
+    bad = run('train.py', '--max_iters=12', '--init_from=resume', '--wandb_log=True',
+              "--wandb_project=bad/name#1", f'--out_dir={out}', cwd=workdir,
+              env=wandb_env(tmp_path))
+    one_error_line(bad)
+    assert {name: (out / name).read_bytes() for name in os.listdir(out)} == before
+    # online without an API key: one line at once, that says to log in or log offline
+    home = tmp_path / 'home'
+    home.mkdir()
+    env = {k: v for k, v in wandb_env(tmp_path, WANDB_MODE='online', HOME=str(home)).items()
+           if k not in ('WANDB_API_KEY', 'WANDB_CONFIG_DIR', 'NETRC')}
+    line = one_error_line(run('train.py', TINY, '--max_iters=2', '--wandb_log=True',
+                              f'--out_dir={out}-online', cwd=workdir, env=env))
+    assert 'No API key configured' in line and 'WANDB_MODE=offline' in line
+    # a key and no answer: the error line after WANDB_INIT_TIMEOUT (20 s unless set; W&B's: 90),
+    # below W&B's own lines
+    env.update(WANDB_API_KEY='0' * 40, WANDB_BASE_URL='http://127.0.0.1:9', WANDB_INIT_TIMEOUT='3')
+    late = run('train.py', TINY, '--max_iters=2', '--wandb_log=True', f'--out_dir={out}-online',
+               cwd=workdir, env=env)
+    *theirs, ours = late.stderr.strip().splitlines()
+    assert late.returncode == 1 and all(line.startswith('wandb: ') for line in theirs), late.stderr
+    assert ours.startswith('error: --wandb_log=True: W&B could not start the run (')
+    assert not os.path.exists(f'{out}-online')
