@@ -283,6 +283,19 @@ def test_a_compiled_decoding_step_compiles_once_for_the_whole_generation(router,
 
 
 @pytest.mark.compile
+def test_a_compiled_step_decodes_from_one_token_on_a_fresh_cache_or_one_of_another_batch():
+    # sample.py's warm-up: a one-token prompt, whose first step meets a cache with no buffers (a
+    # static buffer made inside the compiled graph fails); then a batch of 2 on the same cache
+    torch._dynamo.reset()
+    model = trained_tiny('seqtopk')
+    step, cache = compiled_decode(model), sample.StaticCache(model.config)
+    for batch in (1, 2):
+        prompt = torch.randint(0, 16, (batch, 1), generator=torch.Generator().manual_seed(batch))
+        assert torch.equal(generate(model, prompt, 6, temperature=0, decode=step, cache=cache),
+                           generate(model, prompt, 6, temperature=0))
+
+
+@pytest.mark.compile
 def test_compiling_the_decoding_step_leaves_the_model_as_it_was():
     torch._dynamo.reset()
     model = trained_tiny('seqtopk')
