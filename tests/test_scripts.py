@@ -1134,3 +1134,52 @@ def test_readme_s_compiled_sampling_runs_and_prints_the_eager_tokens_and_experts
     assert f'[{router}, top_k=2, cached, prompt routed online] experts per generated token' \
         in compiled[0]
     assert compiled == eager
+
+
+def test_readme_s_tiny_run_fine_tunes_evaluates_and_samples_in_colour_as_written(workdir):
+    # README's Training and Generation commands on its tiny run (out-tiny for out), each as
+    # written, with only what keeps it tiny appended: the fine-tune's and evaluation's step and
+    # batch counts, one sample
+    ran = [run(*command, cwd=workdir) for command in (
+        ('train.py', TINY, '--router=seqtopk', '--top_k=2', '--n_exp=16', '--out_dir=out-tiny'),
+        ('train.py', '--init_from=out-tiny/ckpt.pt', '--out_dir=out-ft', '--router=seqtopk',
+         '--max_iters=4', '--eval_iters=1'),
+        ('train.py', '--init_from=out-tiny/ckpt.pt', '--eval_only=True', '--router=seqtopk',
+         '--eval_iters=1'),
+        ('sample.py', '--out_dir=out-tiny', '--start=ROMEO:', '--max_new_tokens=200',
+         '--color=True', '--num_samples=1'))]
+    assert all(result.returncode == 0 for result in ran), [r.stderr for r in ran]
+    import torch
+    tuned = torch.load(workdir / 'out-ft' / 'ckpt.pt', weights_only=True)
+    assert tuned['iter_num'] == 4 and tuned['model_args']['n_exp'] == 16
+    assert 'step 20: train ce ' in ran[2].stdout and 'val ce ' in ran[2].stdout  # its last step
+    sampled = ran[3].stdout
+    assert sampled.count('\033[48;5;') > 200 and '[experts per token: ' in sampled  # coloured
+    assert '[seqtopk, top_k=2, cached' in sampled and '[200 tokens; the 199 after ' in sampled
+
+
+def test_readme_s_gpt2_preparation_writes_the_built_in_text_as_gpt2_tokens(prepared, tmp_path):
+    # python prepare.py --tokenizer=gpt2: the same plays as the characters' data/shakespeare_char
+    result = run('prepare.py', '--tokenizer=gpt2', cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    from prepare import gpt2_encoding
+    data = tmp_path / 'data' / 'shakespeare'
+    assert json.loads((data / 'meta.json').read_text())['tokenizer'] == 'gpt2'
+    chars = json.loads((prepared / 'data' / 'shakespeare_char' / 'meta.json').read_text())['itos']
+    text = ''.join(chars[i] for i in np.fromfile(
+        prepared / 'data' / 'shakespeare_char' / 'train.bin', dtype=np.uint16)[:5000])
+    tokens = np.fromfile(data / 'train.bin', dtype=np.uint16)[:3000].tolist()
+    assert gpt2_encoding().decode(tokens)[:4000] == text[:4000]
+
+
+def test_readme_s_bench_command_runs_every_part_at_tiny_size(tmp_path):
+    # python bench.py (--what=all), with gpu.sh --cpu's tiny sizes; decoding eager (the compiled
+    # step: test_decoding.py and gpu.sh's test)
+    result = run('bench.py', '--sizes=tiny', '--train_steps=2', '--repeats=1', '--moe_tokens=256',
+                 '--moe_embd=64', '--moe_exp_dim=32', '--moe_n_exp=16', '--moe_top_k=4',
+                 '--moe_repeats=1', '--decode_size=tiny', '--decode_block_size=64',
+                 '--prompt_tokens=8', '--new_tokens=16', '--contexts=16', '--steps_at_context=8',
+                 '--decode_ways=eager', f'--out_dir={tmp_path}', cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    tables = json.loads((tmp_path / 'bench.json').read_text())
+    assert all(tables[part] for part in ('route', 'train', 'moe', 'decode', 'decode_context'))
