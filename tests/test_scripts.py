@@ -1183,3 +1183,25 @@ def test_readme_s_bench_command_runs_every_part_at_tiny_size(tmp_path):
     assert result.returncode == 0, result.stderr
     tables = json.loads((tmp_path / 'bench.json').read_text())
     assert all(tables[part] for part in ('route', 'train', 'moe', 'decode', 'decode_context'))
+
+
+def test_readme_s_gpu_script_parts_command_runs_those_parts_alone(tmp_path):
+    # PARTS=gpu-train,gpu-moe,decode,gpu-decode,tests bash experiments/gpu.sh gpu-logs: its GPU
+    # branch (no GPU here) with a stand-in python that records each command and exits 0
+    calls, fake = tmp_path / 'calls', tmp_path / 'bin' / 'python'
+    fake.parent.mkdir()
+    fake.write_text(f"#!{sys.executable}\nimport json, sys\n"
+                    f"open({str(calls)!r}, 'a').write(json.dumps(sys.argv[1:]) + '\\n')\n")
+    fake.chmod(0o755)
+    parts = ['gpu-train', 'gpu-moe', 'decode', 'gpu-decode', 'tests']
+    result = subprocess.run(['bash', os.path.join(REPO, 'experiments', 'gpu.sh'), 'gpu-logs'],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=HANG,
+                            env=dict(OFFLINE_ENV, PARTS=','.join(parts),
+                                     PATH=f"{fake.parent}:{os.environ['PATH']}"))
+    assert result.returncode == 0, result.stderr
+    summary = (tmp_path / 'gpu-logs' / 'summary.txt').read_text()
+    assert re.findall(r'^([\w-]+): exit 0 after', summary, re.M) == parts, summary
+    ran = [json.loads(line) for line in calls.read_text().splitlines()][1:]  # after versions.txt
+    assert [next(a for a in args if a.startswith('--what=')) for args in ran[:4]] == [
+        '--what=train', '--what=moe', '--what=decode', '--what=decode']
+    assert ran[4][:2] == ['-m', 'pytest'] and len(ran) == 5  # no train.py run, no sweep
