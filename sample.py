@@ -233,8 +233,9 @@ CPU_DECODE_OPTIONS = {
 
 def compiled_decode(model, slots=None):
     """model.decode_token by the fast paths, as a decode(idx, cache, online=True) for generate: the
-    prompt eagerly, each later token by a step (experts in `slots` slots) compiled once (fullgraph;
-    CUDA: a CUDA graph). cache: a StaticCache. The model is left as it was."""
+    prompt (and a fresh cache's first token) eagerly, each later token by a step (experts in
+    `slots` slots) compiled once (fullgraph; CUDA: a CUDA graph). cache: a StaticCache. The model
+    is left as it was."""
     cuda = next(model.parameters()).is_cuda
     prompt = fast.paths(model)
     step = fast.paths(model, experts=lambda router: functools.partial(
