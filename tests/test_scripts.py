@@ -1087,8 +1087,8 @@ def test_sample_s_tokens_per_second_count_the_generated_tokens_not_the_prompt(
 
 
 # -----------------------------------------------------------------------------
-# README's commands end to end at tiny size (issue 75): each as README writes it, with tiny
-# settings appended; the others' tests are named in the lead's note
+# README's commands end to end at tiny size (issue 75): those no other test ran as README writes
+# them, each with only tiny settings appended
 
 @pytest.fixture(scope='module')
 def greedy_runs(workdir):
