@@ -198,6 +198,11 @@ class StaticCache(Cache):
     def new_layer(self):
         return StaticLayerCache(self)
 
+    def holds(self, B):
+        """Whether its buffers exist for a batch of B: a compiled step cannot make one (static)."""
+        return self.pos is not None and all(layer.k is not None and layer.k.shape[0] == B
+                                            for layer in self.layers)
+
 
 class StaticLayerCache(LayerCache):
 
@@ -228,8 +233,9 @@ CPU_DECODE_OPTIONS = {
 
 def compiled_decode(model, slots=None):
     """model.decode_token by the fast paths, as a decode(idx, cache, online=True) for generate: the
-    prompt eagerly, each later token by a step (experts in `slots` slots) compiled once (fullgraph;
-    CUDA: a CUDA graph). cache: a StaticCache. The model is left as it was."""
+    prompt (and a fresh cache's first token) eagerly, each later token by a step (experts in
+    `slots` slots) compiled once (fullgraph; CUDA: a CUDA graph). cache: a StaticCache. The model
+    is left as it was."""
     cuda = next(model.parameters()).is_cuda
     prompt = fast.paths(model)
     step = fast.paths(model, experts=lambda router: functools.partial(
@@ -241,7 +247,9 @@ def compiled_decode(model, slots=None):
     def decode(idx, cache, online=True):
         if not isinstance(cache, StaticCache):  # else the step would compile every token
             raise ValueError("a compiled decoding step decodes with a StaticCache")
-        if idx.shape[1] > 1 or not online:
+        # the prompt, or a fresh cache's first token (a one-token prompt): eagerly, making its
+        # buffers before the compiled step
+        if idx.shape[1] > 1 or not online or not cache.holds(idx.shape[0]):
             return prompt.decode_token(idx, cache, online)
         if idx.is_cuda:  # static slots; the last step's outputs are read: replay
             torch.compiler.cudagraph_mark_step_begin()

@@ -266,17 +266,33 @@ def test_a_decoding_step_compiles_to_one_graph_with_no_break(router):
 
 @pytest.mark.compile
 @pytest.mark.parametrize("router", ["topk", "seqtopk"])
-def test_a_compiled_decoding_step_compiles_once_for_the_whole_generation(router):
+@pytest.mark.parametrize("batch", [1, 2])
+def test_a_compiled_decoding_step_compiles_once_for_the_whole_generation(router, batch):
     torch._dynamo.reset()
     model = trained_tiny(router)
-    # one sequence, as sample.py decodes by default (a token's slot count alone sizes its matmuls)
-    prompt = torch.randint(0, 16, (1, 5), generator=torch.Generator().manual_seed(1))
+    # one sequence, as sample.py decodes (a token's slot count alone sizes its matmuls), or two
+    prompt = torch.randint(0, 16, (batch, 5), generator=torch.Generator().manual_seed(1))
     step, cache = compiled_decode(model), sample.StaticCache(model.config)
+    torch._dynamo.utils.counters.clear()  # reset() keeps them
     # the graph must not depend on the context
     with torch._dynamo.config.patch(error_on_recompile=True):
         # past block_size: the context starts again; a second generation, the same Cache
         for _ in range(2):
             generate(model, prompt, 34, temperature=0, decode=step, cache=cache)
+    assert torch._dynamo.utils.counters['stats']['unique_graphs'] == 1  # compiled: not eager
+
+
+@pytest.mark.compile
+def test_a_compiled_step_decodes_from_one_token_on_a_fresh_cache_or_one_of_another_batch():
+    # sample.py's warm-up: a one-token prompt, whose first step meets a cache with no buffers (a
+    # static buffer made inside the compiled graph fails); then a batch of 2 on the same cache
+    torch._dynamo.reset()
+    model = trained_tiny('seqtopk')
+    step, cache = compiled_decode(model), sample.StaticCache(model.config)
+    for batch in (1, 2):
+        prompt = torch.randint(0, 16, (batch, 1), generator=torch.Generator().manual_seed(batch))
+        assert torch.equal(generate(model, prompt, 6, temperature=0, decode=step, cache=cache),
+                           generate(model, prompt, 6, temperature=0))
 
 
 @pytest.mark.compile

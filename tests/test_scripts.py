@@ -1192,3 +1192,123 @@ def test_a_wandb_init_failure_is_one_line_before_the_run_s_folder_is_written(wor
     assert late.returncode == 1 and all(line.startswith('wandb: ') for line in theirs), late.stderr
     assert ours.startswith('error: --wandb_log=True: W&B could not start the run (')
     assert not os.path.exists(f'{out}-online')
+
+
+# README's commands end to end at tiny size (issue 75): those no other test ran as README writes
+# them, each with only tiny settings appended
+
+@pytest.fixture(scope='module')
+def greedy_runs(workdir):
+    """A tiny run per router trained until its greedy text varies ('The the the ...': 200 steps at
+    lr 1e-2; run/'s 10 steps, as 100, repeat one character, blind to a wrong step), made when
+    first asked."""
+    def trained(router):
+        out = f'greedy-{router}'
+        if not (workdir / out / 'ckpt.pt').exists():
+            result = run('train.py', TINY, f'--router={router}', '--max_iters=200',
+                         '--eval_interval=200', '--learning_rate=1e-2', f'--out_dir={out}',
+                         cwd=workdir)
+            assert result.returncode == 0, result.stderr
+        return out
+    return trained
+
+
+def samples(stdout):
+    """sample.py's samples as printed, each its text and expert summary (the timing line and the
+    warm-up's line dropped), and how each was timed ('compiled' or 'eager')."""
+    printed = re.sub(r'^\[compiled the decoding step in [\d.]+ s\]\n', '', stdout)
+    chunks = [chunk.rsplit('\n', 2)[:2] for chunk in printed.split('---------------\n')[:-1]]
+    return [text for text, _ in chunks], [re.findall(r'(compiled|eager), ', timing)
+                                          for _, timing in chunks]
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("router", ['topk', 'seqtopk'])
+def test_readme_s_compiled_sampling_runs_and_prints_the_eager_tokens_and_experts(
+        router, workdir, greedy_runs):
+    # README: python sample.py --out_dir=out --compile=True --temperature=0 (its one-token prompt
+    # '\n' too); two samples: the first as --num_samples=1 gives it, the second reusing the cache;
+    # 40 tokens: past the context of 32, the prompt's second half again
+    out = greedy_runs(router)
+    printed = {}
+    for compile in (True, False):
+        result = run('sample.py', f'--out_dir={out}', f'--compile={compile}', '--temperature=0',
+                     '--num_samples=2', '--max_new_tokens=40', cwd=workdir)
+        assert result.returncode == 0, result.stderr
+        printed[compile] = samples(result.stdout)
+    (compiled, ways), (eager, eager_ways) = printed[True], printed[False]
+    assert ways == [['compiled']] * 2 and eager_ways == [['eager']] * 2
+    assert f'[{router}, top_k=2, cached, prompt routed online] experts per generated token' \
+        in compiled[0]
+    assert compiled == eager
+
+
+def test_readme_s_tiny_run_fine_tunes_evaluates_and_samples_in_colour_as_written(workdir):
+    # README's Training and Generation commands on its tiny run (out-tiny for out), each as
+    # written, with only what keeps it tiny appended: the fine-tune's and evaluation's step and
+    # batch counts, one sample
+    ran = [run(*command, cwd=workdir) for command in (
+        ('train.py', TINY, '--router=seqtopk', '--top_k=2', '--n_exp=16', '--out_dir=out-tiny'),
+        ('train.py', '--init_from=out-tiny/ckpt.pt', '--out_dir=out-ft', '--router=seqtopk',
+         '--max_iters=4', '--eval_iters=1'),
+        ('train.py', '--init_from=out-tiny/ckpt.pt', '--eval_only=True', '--router=seqtopk',
+         '--eval_iters=1'),
+        ('sample.py', '--out_dir=out-tiny', '--start=ROMEO:', '--max_new_tokens=200',
+         '--color=True', '--num_samples=1'))]
+    assert all(result.returncode == 0 for result in ran), [r.stderr for r in ran]
+    import torch
+    tuned = torch.load(workdir / 'out-ft' / 'ckpt.pt', weights_only=True)
+    assert tuned['iter_num'] == 4 and tuned['model_args']['n_exp'] == 16
+    assert 'step 20: train ce ' in ran[2].stdout and 'val ce ' in ran[2].stdout  # its last step
+    sampled = ran[3].stdout
+    assert sampled.count('\033[48;5;') > 200 and '[experts per token: ' in sampled  # coloured
+    assert '[seqtopk, top_k=2, cached' in sampled and '[200 tokens; the 199 after ' in sampled
+
+
+def test_readme_s_gpt2_preparation_writes_the_built_in_text_as_gpt2_tokens(prepared, tmp_path):
+    # python prepare.py --tokenizer=gpt2: the same plays as the characters' data/shakespeare_char
+    result = run('prepare.py', '--tokenizer=gpt2', cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    from prepare import gpt2_encoding
+    data = tmp_path / 'data' / 'shakespeare'
+    assert json.loads((data / 'meta.json').read_text())['tokenizer'] == 'gpt2'
+    chars = json.loads((prepared / 'data' / 'shakespeare_char' / 'meta.json').read_text())['itos']
+    text = ''.join(chars[i] for i in np.fromfile(
+        prepared / 'data' / 'shakespeare_char' / 'train.bin', dtype=np.uint16)[:5000])
+    tokens = np.fromfile(data / 'train.bin', dtype=np.uint16)[:3000].tolist()
+    assert gpt2_encoding().decode(tokens)[:4000] == text[:4000]
+
+
+def test_readme_s_bench_command_runs_every_part_at_tiny_size(tmp_path):
+    # python bench.py (--what=all), with gpu.sh --cpu's tiny sizes; decoding eager (the compiled
+    # step: test_decoding.py and gpu.sh's test)
+    result = run('bench.py', '--sizes=tiny', '--train_steps=2', '--repeats=1', '--moe_tokens=256',
+                 '--moe_embd=64', '--moe_exp_dim=32', '--moe_n_exp=16', '--moe_top_k=4',
+                 '--moe_repeats=1', '--decode_size=tiny', '--decode_block_size=64',
+                 '--prompt_tokens=8', '--new_tokens=16', '--contexts=16', '--steps_at_context=8',
+                 '--decode_ways=eager', f'--out_dir={tmp_path}', cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    tables = json.loads((tmp_path / 'bench.json').read_text())
+    assert all(tables[part] for part in ('route', 'train', 'moe', 'decode', 'decode_context'))
+
+
+def test_readme_s_gpu_script_parts_command_runs_those_parts_alone(tmp_path):
+    # PARTS=gpu-train,gpu-moe,decode,gpu-decode,tests bash experiments/gpu.sh gpu-logs: its GPU
+    # branch (no GPU here) with a stand-in python that records each command and exits 0
+    calls, fake = tmp_path / 'calls', tmp_path / 'bin' / 'python'
+    fake.parent.mkdir()
+    fake.write_text(f"#!{sys.executable}\nimport json, sys\n"
+                    f"open({str(calls)!r}, 'a').write(json.dumps(sys.argv[1:]) + '\\n')\n")
+    fake.chmod(0o755)
+    parts = ['gpu-train', 'gpu-moe', 'decode', 'gpu-decode', 'tests']
+    result = subprocess.run(['bash', os.path.join(REPO, 'experiments', 'gpu.sh'), 'gpu-logs'],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=HANG,
+                            env=dict(OFFLINE_ENV, PARTS=','.join(parts),
+                                     PATH=f"{fake.parent}:{os.environ['PATH']}"))
+    assert result.returncode == 0, result.stderr
+    summary = (tmp_path / 'gpu-logs' / 'summary.txt').read_text()
+    assert re.findall(r'^([\w-]+): exit 0 after', summary, re.M) == parts, summary
+    ran = [json.loads(line) for line in calls.read_text().splitlines()][1:]  # after versions.txt
+    assert [next(a for a in args if a.startswith('--what=')) for args in ran[:4]] == [
+        '--what=train', '--what=moe', '--what=decode', '--what=decode']
+    assert ran[4][:2] == ['-m', 'pytest'] and len(ran) == 5  # no train.py run, no sweep
