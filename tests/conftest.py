@@ -5,6 +5,7 @@ session, shared by pytest-xdist's workers; and tiny.py's model and toy language.
 Run: python -m pytest -q -n auto
 """
 import atexit
+import contextlib
 import ctypes
 import multiprocessing
 import multiprocessing.forkserver
@@ -51,10 +52,9 @@ def pytest_collection_modifyitems(items):
 # -----------------------------------------------------------------------------
 # the scripts
 
-# A script runs in a process forked from multiprocessing's forkserver, which imported torch once
-# (this module): not a fresh python's 3 CPU seconds of imports each. A python command line that is
-# not a script (-m ...), or an environment that changes what python and torch read as they start,
-# execs a fresh python there.
+# A script (or -m module) runs in a process forked from multiprocessing's forkserver, which imported
+# torch once (this module): not a fresh python's 3 CPU seconds of imports each. Other options, or an
+# environment that changes what python and torch read as they start, exec a fresh python there.
 FORKS = multiprocessing.get_context('forkserver')
 FORKS.set_forkserver_preload(['conftest', 'torch._dynamo'])  # torch.optim's first step imports it
 AT_START = ('PYTHON', 'LD_', 'OMP_', 'MKL_', 'KMP_', 'TORCH_', 'PYTORCH_')
@@ -63,13 +63,14 @@ PRCTL = ctypes.CDLL(None).prctl
 
 def python_in_fork(argv, cwd, env, out, err, before):
     """In a process the forkserver forked: `python argv` in cwd with env, its stdout and stderr to
-    the files out and err; ended when pytest ends (a fresh python by SIGTERM, which torchrun
-    passes on to its ranks)."""
-    fresh = argv[0].startswith('-') or any(env.get(k) != os.environ.get(k) for k in {
-        *env, *os.environ} if k.startswith(AT_START))
-    PRCTL(1, signal.SIGTERM if fresh else signal.SIGKILL)  # PR_SET_PDEATHSIG: at the forkserver's
-    server = multiprocessing.forkserver._forkserver  # end, which follows pytest's once no child
-    os.close(server._forkserver_alive_fd)  # holds the pipe it watches
+    the files out and err; ended when pytest ends (-m and a fresh python by SIGTERM, which
+    torchrun passes on to its ranks)."""
+    module = argv[0] == '-m'
+    fresh = argv[0].startswith('-') and not module or any(
+        env.get(k) != os.environ.get(k) for k in {*env, *os.environ} if k.startswith(AT_START))
+    PRCTL(1, signal.SIGTERM if fresh or module else signal.SIGKILL)  # PR_SET_PDEATHSIG: at the
+    server = multiprocessing.forkserver._forkserver  # forkserver's end, which follows pytest's
+    os.close(server._forkserver_alive_fd)  # once no fork holds the pipe it watches
     server._forkserver_alive_fd = None
     assert len(os.listdir(f'/proc/{os.getppid()}/task')) == 1, 'forked with a thread running'
     for fd, name in enumerate((os.devnull, out, err)):
@@ -81,12 +82,16 @@ def python_in_fork(argv, cwd, env, out, err, before):
     os.environ.update(env)
     sys.stdout, sys.stderr = (open(fd, 'w', buffering=1, closefd=False) for fd in (1, 2))
     ours = {'', REPO, os.path.join(REPO, 'tests'), os.path.join(REPO, 'experiments')}  # pytest's
-    sys.argv = list(argv)
-    sys.path[:] = [os.path.dirname(argv[0])] + [p for p in sys.path if p not in ours]
+    sys.argv = list(argv[module:])  # -m: runpy makes argv[0] the module's path
+    sys.path[:] = [cwd if module else os.path.dirname(argv[0])] + [
+        p for p in sys.path if p not in ours]
     try:
         if before:
             before()
-        runpy.run_path(argv[0], run_name='__main__')
+        if module:
+            runpy.run_module(argv[1], run_name='__main__', alter_sys=True)
+        else:
+            runpy.run_path(argv[0], run_name='__main__')
     except Exception:  # as python ends on one
         traceback.print_exc()
         sys.exit(1)
@@ -97,6 +102,8 @@ def python_in_fork(argv, cwd, env, out, err, before):
 def python(*argv, cwd, env=OFFLINE_ENV, before=None):
     """`python argv` in cwd, as subprocess.run(..., capture_output=True, text=True) gives it, in a
     process the forkserver forked; before: a function (of a module) it calls before the script."""
+    with contextlib.chdir(os.path.dirname(__file__)):  # python 3.11's forkserver imports its
+        multiprocessing.forkserver.ensure_running()  # preloads from its cwd, not from our sys.path
     with tempfile.NamedTemporaryFile('r') as out, tempfile.NamedTemporaryFile('r') as err:
         forked = FORKS.Process(target=python_in_fork,
                                args=(argv, str(cwd), env, out.name, err.name, before))
@@ -134,17 +141,19 @@ class ForkedRun:
 
 
 def forked_runs():
-    """In sweep.py's process: its train.py runs forked (ForkedRun), git and the like started."""
+    """In sweep.py's process (a fork of pytest's forkserver): its train.py runs forked (ForkedRun)
+    by that forkserver too, not by one it would start (3 CPU seconds); git and the like started."""
+    server = multiprocessing.forkserver._forkserver  # its address known; its pipe's end, given
+    server.ensure_running, server._forkserver_alive_fd = (lambda: None), os.open(os.devnull, 0)
     popen, train = subprocess.Popen, os.path.join(REPO, 'train.py')
-    sys.path.append(os.path.dirname(__file__))  # for its forks to find this module; the last
     subprocess.Popen = lambda cmd, *args, **kwargs: (
         ForkedRun if cmd[1:2] == [train] else popen)(cmd, *args, **kwargs)
 
 
 def sweep(*args, cwd):
-    """experiments/sweep.py as run() gives it, its runs forked from a forkserver of its own (3 CPU
-    seconds) instead of a fresh python's 3 each: for the sweeps whose claims are their runs'
-    results; those about processes start sweep.py and its runs as a user does."""
+    """experiments/sweep.py as run() gives it, its train.py runs forked instead of a fresh python's
+    3 CPU seconds each: for the sweeps whose claims are their runs' results; those about processes
+    start sweep.py and its runs as a user does."""
     return run('experiments/sweep.py', *args, cwd=cwd, before=forked_runs)
 
 
