@@ -72,9 +72,9 @@ def python_in_fork(argv, cwd, env, out, err, before):
     server = multiprocessing.forkserver._forkserver  # forkserver's end, which follows pytest's
     os.close(server._forkserver_alive_fd)  # once no fork holds the pipe it watches
     server._forkserver_alive_fd = None
-    assert len(os.listdir(f'/proc/{os.getppid()}/task')) == 1, 'forked with a thread running'
     for fd, name in enumerate((os.devnull, out, err)):
         os.dup2(os.open(name, os.O_RDWR | os.O_APPEND), fd)
+    assert len(os.listdir(f'/proc/{os.getppid()}/task')) == 1, 'forked with a thread running'
     os.chdir(cwd)
     if fresh:
         os.execve(sys.executable, [sys.executable, *argv], env)
