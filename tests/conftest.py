@@ -52,9 +52,10 @@ def pytest_collection_modifyitems(items):
 # -----------------------------------------------------------------------------
 # the scripts
 
-# A script (or -m module) runs in a process forked from multiprocessing's forkserver, which imported
-# torch once (this module): not a fresh python's 3 CPU seconds of imports each. Other options, or an
-# environment that changes what python and torch read as they start, exec a fresh python there.
+# A script runs in a process forked from multiprocessing's forkserver, which imported torch once
+# (this module): not a fresh python's 3 CPU seconds of imports each. A command line that is not a
+# script (-m torch.distributed.run ...), or an environment that changes what python and torch read
+# as they start, execs a fresh python there.
 FORKS = multiprocessing.get_context('forkserver')
 FORKS.set_forkserver_preload(['conftest', 'torch._dynamo'])  # torch.optim's first step imports it
 AT_START = ('PYTHON', 'LD_', 'OMP_', 'MKL_', 'KMP_', 'TORCH_', 'PYTORCH_')
@@ -63,12 +64,11 @@ PRCTL = ctypes.CDLL(None).prctl
 
 def python_in_fork(argv, cwd, env, out, err, before):
     """In a process the forkserver forked: `python argv` in cwd with env, its stdout and stderr to
-    the files out and err; ended when pytest ends (-m and a fresh python by SIGTERM, which
-    torchrun passes on to its ranks)."""
-    module = argv[0] == '-m'
-    fresh = argv[0].startswith('-') and not module or any(
+    the files out and err; ended when pytest ends (a fresh python by SIGTERM, which torchrun
+    passes on to its ranks)."""
+    fresh = argv[0].startswith('-') or any(
         env.get(k) != os.environ.get(k) for k in {*env, *os.environ} if k.startswith(AT_START))
-    PRCTL(1, signal.SIGTERM if fresh or module else signal.SIGKILL)  # PR_SET_PDEATHSIG: at the
+    PRCTL(1, signal.SIGTERM if fresh else signal.SIGKILL)  # PR_SET_PDEATHSIG: at the
     server = multiprocessing.forkserver._forkserver  # forkserver's end, which follows pytest's
     os.close(server._forkserver_alive_fd)  # once no fork holds the pipe it watches
     server._forkserver_alive_fd = None
@@ -82,16 +82,12 @@ def python_in_fork(argv, cwd, env, out, err, before):
     os.environ.update(env)
     sys.stdout, sys.stderr = (open(fd, 'w', buffering=1, closefd=False) for fd in (1, 2))
     ours = {'', REPO, os.path.join(REPO, 'tests'), os.path.join(REPO, 'experiments')}  # pytest's
-    sys.argv = list(argv[module:])  # -m: runpy makes argv[0] the module's path
-    sys.path[:] = [cwd if module else os.path.dirname(argv[0])] + [
-        p for p in sys.path if p not in ours]
+    sys.argv = list(argv)
+    sys.path[:] = [os.path.dirname(argv[0])] + [p for p in sys.path if p not in ours]
     try:
         if before:
             before()
-        if module:
-            runpy.run_module(argv[1], run_name='__main__', alter_sys=True)
-        else:
-            runpy.run_path(argv[0], run_name='__main__')
+        runpy.run_path(argv[0], run_name='__main__')
     except Exception:  # as python ends on one
         traceback.print_exc()
         sys.exit(1)
