@@ -5,6 +5,7 @@ full disk, an out_dir that cannot be one. Each ends with one line, and the last 
 kept.
 Run: python -m pytest -q
 """
+import errno
 import json
 import os
 import re
@@ -13,12 +14,12 @@ import signal
 import subprocess
 import sys
 import time
+from functools import partial
 
 import pytest
 import torch
 
-from conftest import (HANG, OFFLINE_ENV, REPO, THE_SCRIPT, TINY, exit_message, one_error_line,
-                      run)
+from conftest import HANG, OFFLINE_ENV, REPO, TINY, exit_message, one_error_line, run
 
 # -----------------------------------------------------------------------------
 # checkpoint files
@@ -440,49 +441,49 @@ def test_a_damaged_data_folder_is_one_line_naming_the_file_and_the_command_that_
         "val.bin is missing; rebuild it with `python prepare.py --dataset=shakespeare_char`"), line
 
 
-# Runs a script with the file system refusing writes to files whose name matches TARGET after
-# LIMIT bytes (the first `SKIP` such files are written in full): as a disk that fills up, or a
-# quota that runs out.
-FULL_DISK = """
-import builtins, errno, os, re, runpy, sys
-real_open, opened = builtins.open, []
-
+# A file system that refuses writes to files whose name matches target after limit bytes (the
+# first `skip` such files are written in full): as a disk that fills up, or a quota that runs out.
 class Full:
-    def __init__(self, f):
-        self.f, self.written = f, 0
+    def __init__(self, f, limit, kill):
+        self.f, self.written, self.limit, self.kill = f, 0, limit, kill
+
     def write(self, data):
-        if self.written + len(data) > LIMIT:
-            self.f.write(data[:max(0, LIMIT - self.written)])
+        if self.written + len(data) > self.limit:
+            self.f.write(data[:max(0, self.limit - self.written)])
             self.f.flush()
-            if KILL:  # the process is killed right here, in the middle of the write
-                os.kill(os.getpid(), 9)
+            if self.kill:  # the process is killed right here, in the middle of the write
+                os.kill(os.getpid(), signal.SIGKILL)
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         self.written += len(data)
         return self.f.write(data)
+
     def __getattr__(self, name):
         return getattr(self.f, name)
+
     def __enter__(self):
         return self
+
     def __exit__(self, *exc):
         return self.f.__exit__(*exc)
 
-def full_disk_open(file, mode='r', *args, **kwargs):
-    f = real_open(file, mode, *args, **kwargs)
-    if re.search(TARGET, str(file)) and ('w' in mode or 'a' in mode):
-        opened.append(file)
-        return f if len(opened) <= SKIP else Full(f)
-    return f
 
-builtins.open = full_disk_open
-""" + THE_SCRIPT
+def full_disk(target, limit, skip, kill):
+    """In a script's process, before the script: open() gives such files."""
+    import builtins
+    real_open, opened = builtins.open, []
+
+    def full_disk_open(file, mode='r', *args, **kwargs):
+        f = real_open(file, mode, *args, **kwargs)
+        if re.search(target, str(file)) and ('w' in mode or 'a' in mode):
+            opened.append(file)
+            return f if len(opened) <= skip else Full(f, limit, kill)
+        return f
+    builtins.open = full_disk_open
 
 
 def run_on_a_full_disk(script, *args, cwd, target, limit=1000, skip=0, kill=False):
     """kill=True: the process is killed (SIGKILL) where the write would fail."""
-    driver = (FULL_DISK.replace('TARGET', repr(target)).replace('LIMIT', str(limit))
-              .replace('SKIP', str(skip)))
-    driver = driver.replace('KILL', str(kill))
-    return run(script, *args, cwd=cwd, driver=driver)
+    return run(script, *args, cwd=cwd, before=partial(full_disk, target, limit, skip, kill))
 
 
 @pytest.mark.parametrize("target", [r'ckpt\.pt\.\w+\.tmp$', r'log\.jsonl$'])

@@ -15,8 +15,8 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import (HANG, OFFLINE_ENV, REPO, TINY, TWO_RANKS, exit_message, forking_python,
-                      one_error_line, run, tiny_config)
+from conftest import (HANG, OFFLINE_ENV, REPO, TINY, exit_message, one_error_line, python, run,
+                      tiny_config)
 
 
 def logged(out_dir, event='train'):
@@ -639,7 +639,8 @@ def test_ddp_on_two_cpu_processes_matches_one_process_with_the_same_global_batch
     tag = router.replace('+', '-').replace('=', '-')
     single = run('train.py', *common, f'--out_dir=single-{tag}', cwd=workdir)
     assert single.returncode == 0, single.stderr
-    ddp = run('train.py', *common, f'--out_dir=ddp-{tag}', cwd=workdir, driver=TWO_RANKS)
+    ddp = python('-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
+                 os.path.join(REPO, 'train.py'), *common, f'--out_dir=ddp-{tag}', cwd=workdir)
     assert ddp.returncode == 0, ddp.stderr
     assert '2 processes' in ddp.stdout
     a, b = (logged(workdir / d, 'eval')[-1] for d in (f'single-{tag}', f'ddp-{tag}'))
@@ -785,15 +786,19 @@ def test_compiled_training_through_train_py_follows_the_eager_run(workdir):
     assert runs[True] == pytest.approx(runs[False], rel=1e-3)
 
 
+def grouped_kernel_refused():
+    import fast
+
+    def refused(*args):
+        raise SystemExit('error: the grouped kernel ran')
+    fast.grouped_mm = refused
+
+
 def test_moe_impl_loop_through_the_settings_runs_the_experts_without_the_grouped_kernel(workdir):
-    # a driver makes fast.py's grouped matmul fail: only --moe_impl=loop trains past it
-    driver = (f"import runpy, sys; sys.path.insert(0, {REPO!r}); import fast\n"
-              "def refused(*args):\n    raise SystemExit('error: the grouped kernel ran')\n"
-               "fast.grouped_mm = refused\nsys.argv = sys.argv[1:]\n"
-               "runpy.run_path(sys.argv[0], run_name='__main__')\n")
+    # fast.py's grouped matmul made to fail: only --moe_impl=loop trains past it
     common = [TINY, '--max_iters=2', '--overwrite=True', '--out_dir=impl']
-    results = {impl: run('train.py', *common, f'--moe_impl={impl}', cwd=workdir, driver=driver)
-               for impl in ('grouped', 'loop')}
+    results = {impl: run('train.py', *common, f'--moe_impl={impl}', cwd=workdir,
+                         before=grouped_kernel_refused) for impl in ('grouped', 'loop')}
     assert results['loop'].returncode == 0, results['loop'].stderr
     assert 'the grouped kernel ran' in results['grouped'].stderr
 
@@ -830,10 +835,8 @@ def test_the_gpu_script_runs_every_part_on_the_cpu_with_tiny_sizes(prepared, tmp
     shutil.copytree(prepared / 'data', tmp_path / 'data')  # it runs where data/ is
     # the parts' limits out of reach (x1000: hours), so that a busy machine cannot fail a part;
     # the limits themselves are tested with commands that sleep (the next test)
-    # its pythons forked from the zygote (sweep.py's runs start afresh)
     result = subprocess.run(['bash', os.path.join(REPO, 'experiments', 'gpu.sh'), 'gpu', '--cpu'],
                             cwd=tmp_path, env=dict(OFFLINE_ENV, GPU_SH_SCALE='1000', PATH=(
-                                f"{forking_python(tmp_path / 'bin')}:"
                                 f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}")),
                             capture_output=True, text=True, timeout=4 * HANG)  # a hang
     assert result.returncode == 0 and 'total: ' in result.stdout, result.stderr
@@ -860,31 +863,33 @@ def test_the_gpu_script_runs_every_part_on_the_cpu_with_tiny_sizes(prepared, tmp
     assert 'Δ vs topk (causal)' in (out / 'sweep.log').read_text()
 
 
-def test_the_python_the_gpu_script_test_forks_ends_and_prints_as_a_fresh_python(tmp_path):
-    # conftest.forking_python: the same lines through it and through the real python, but that the
-    # forked one has torch imported already (unless its environment changes what torch reads)
-    (tmp_path / 'where.py').write_text('import sys; print(sys.argv, sys.path[0])\n')
-    lines = ['python -c "import sys; print(sys.argv, repr(sys.path[0]), input())" a "b c" <<< in',
-             'python where.py x', 'python -m json.tool <<< "[1]"',
-             'python -c "raise SystemExit(3)"', 'python -c "raise SystemExit(\'error: no\')"',
-             'python -c "1/0"', 'python -c "import os; os.kill(os.getpid(), 15)"',
-             'timeout 1 python -c "import time; time.sleep(60)"',
-             'OMP_NUM_THREADS=2 python -c "import sys; print(\'torch\' in sys.modules)"']
-    script = ''.join(f'{line}; echo "exit $?"\n' for line in lines)
-    ran = {}
-    for way, folder in (('fresh', os.path.dirname(sys.executable)),
-                        ('forked', forking_python(tmp_path / 'bin'))):
-        ran[way] = subprocess.run(['bash', '-c', script + "python -c \"import sys; print('torch' "
-                                   "in sys.modules)\""], cwd=tmp_path, capture_output=True,
-                                  env=dict(OFFLINE_ENV, PATH=f"{folder}:{os.environ['PATH']}"),
-                                  text=True, timeout=HANG)
-    fresh, forked = (ran[way].stdout.splitlines() for way in ('fresh', 'forked'))
-    assert fresh[:-1] == forked[:-1] and [fresh[-1], forked[-1]] == ['False', 'True'], ran
-    assert [line[5:] for line in fresh if line.startswith('exit ')] == [
-        '0', '0', '0', '3', '1', '1', '143', '124', '0']
-    said = ([line for line in ran[way].stderr.splitlines() if not line.startswith(' ')]
-            for way in ('fresh', 'forked'))  # a traceback's frames differ: the zygote's is one
-    assert next(said) == next(said)
+def test_a_script_run_by_conftest_ends_and_prints_as_python_runs_it(tmp_path):
+    # conftest.run forks from a process that imported torch: the same stdout, stderr (but a
+    # traceback's frames) and exit status as a fresh `python script`, and a fresh python where
+    # the environment changes what python reads as it starts
+    script = tmp_path / 'where.py'
+    script.write_text(
+        "import os, sys\n"
+        "print(sys.argv[1:], sys.path[0], os.getcwd(), os.environ.get('MARK'), sys.stdin.read())\n"
+        "print('torch' in sys.modules, sys.argv[2] in sys.path)\n"
+        "{'exit': lambda: sys.exit(3), 'message': lambda: sys.exit('error: no'),\n"
+        " 'raise': lambda: 1 / 0, 'term': lambda: os.kill(os.getpid(), 15),\n"
+        " 'fine': lambda: None}[sys.argv[1]]()\n")
+    for env, imported in ((dict(OFFLINE_ENV, MARK='m'), 'True'),
+                          (dict(OFFLINE_ENV, OMP_NUM_THREADS='2'), 'False')):
+        for how in ('exit', 'message', 'raise', 'term', 'fine'):
+            forked = run(str(script), how, REPO, cwd=tmp_path, env=env)
+            fresh = subprocess.run([sys.executable, str(script), how, REPO], cwd=tmp_path,
+                                   env=env, capture_output=True, text=True, timeout=HANG,
+                                   stdin=subprocess.DEVNULL)
+            assert forked.returncode == fresh.returncode, (how, forked, fresh)
+            assert forked.stdout.splitlines()[0] == fresh.stdout.splitlines()[0], (how, forked)
+            assert forked.stdout.splitlines()[1] == f'{imported} False', (how, forked)
+            assert fresh.stdout.splitlines()[1] == 'False False', (how, fresh)
+            said = [[line for line in result.stderr.splitlines() if not line.startswith(' ')]
+                    for result in (forked, fresh)]
+            assert said[0] == said[1], (how, forked, fresh)
+    assert [fresh.returncode, forked.returncode] == [0, 0]
 
 
 def test_the_gpu_script_gives_bench_only_settings_bench_accepts_on_a_gpu(tmp_path):
@@ -1032,16 +1037,19 @@ def test_bench_times_each_router_eager_and_compiled_against_its_dense_twin(monke
     assert rows['topk', 'eager']['kernels_per_step'] is None
 
 
+def tf32_said_at_exit():
+    import atexit
+    import torch
+    atexit.register(lambda: print('tf32', torch.backends.cuda.matmul.allow_tf32,
+                                  torch.get_float32_matmul_precision()))
+
+
 def test_no_script_turns_tf32_on_so_the_routers_fp32_logits_stay_fp32(workdir):
     # TF32 would round the routers' fp32 logits on Ampere and later GPUs ("routers run in fp32")
-    driver = (f"import runpy, sys, torch; sys.path.insert(0, {REPO!r}); sys.argv = sys.argv[1:]\n"
-              "try:\n    runpy.run_path(sys.argv[0], run_name='__main__')\n"
-              "finally:\n    print('tf32', torch.backends.cuda.matmul.allow_tf32, "
-              "torch.get_float32_matmul_precision())\n")
     for script, args in (('train.py',
                           [TINY, '--max_iters=2', '--overwrite=True', '--out_dir=tf32']),
                          ('bench.py', ['--what=route', '--repeats=1'])):
-        result = run(script, *args, cwd=workdir, driver=driver)
+        result = run(script, *args, cwd=workdir, before=tf32_said_at_exit)
         assert result.stdout.strip().splitlines()[-1] == 'tf32 False highest', result.stderr
 
 
