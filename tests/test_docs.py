@@ -16,6 +16,7 @@ import runpy
 import shlex
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -105,11 +106,21 @@ def settings_check(path, args):
     return ''
 
 
-def until_work(path, args, work):
-    """What `python path args` says before its work starts ('' if nothing): its main() run, the
-    function `work` names (sweep.py's first check of out_dir, prepare.py's writing) stopping it."""
+def until_work(path, args, work, last_check=False):
+    """What `python path args` says before its work starts ('' if nothing): its main() run up to
+    the function `work` names (prepare.py's writing), or through it, if it is the last check
+    (sweep.py's check_runs: every run's settings; out_dir's runs: none, as for a new out_dir)."""
     script = runpy.run_path(path, run_name='settings_check')
-    script['main'].__globals__[work] = lambda *a, **k: (_ for _ in ()).throw(Checked())
+    names = script['main'].__globals__
+    checks = names[work] if last_check else None
+
+    def stop(*args, **kwargs):
+        if checks:
+            with tempfile.TemporaryDirectory() as empty:  # no earlier run of the sweep's
+                names['out_dir'] = empty
+                checks(*args, **kwargs)
+        raise Checked()
+    names[work] = stop
     sys.argv = [path, *args]
     try:
         script['main']()
@@ -134,7 +145,7 @@ def flag_names(path, args):
 def check(script, args):
     """One command's check in this process, run from its folder."""
     if script == 'experiments/sweep.py':
-        return until_work(script, args, 'check_runs')
+        return until_work(script, args, 'check_runs', last_check=True)
     if script == 'prepare.py':
         return until_work(script, args, 'prepare')
     if script in CHECKED:
