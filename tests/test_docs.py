@@ -8,6 +8,7 @@ is checked against that commit's scripts (in a python of its own). Run: python -
 """
 import ast
 import contextlib
+import functools
 import io
 import json
 import os
@@ -187,7 +188,11 @@ def made_before(script, args, trained, tmp_path):
 
 
 def test_every_command_in_the_docs_passes_its_script_s_settings_check(monkeypatch, tmp_path):
+    import configurator
     monkeypatch.setattr(sys, 'argv', sys.argv)  # each check sets it; restored after
+    # a script's settings block read once (a sweep checks each run's: 100 reads of train.py's)
+    monkeypatch.setattr(configurator, 'settings_block',
+                        functools.lru_cache(configurator.settings_block))
     wrong, runs, trained = [], in_the_docs(here=True), set()
     for _, folder, (script, args), line in runs:
         monkeypatch.chdir(os.path.join(REPO, folder))
