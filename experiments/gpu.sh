@@ -36,16 +36,16 @@ if [ -d wheels ]; then pip install -q --no-index wheels/*.whl > "$out/wheels.log
 scale=${GPU_SH_SCALE:-1}  # the parts' limits x scale (a test sets GPU_SH_SCALE)
 if [ "${2:-}" = --cpu ]; then
   device=(--device=cpu --dtype=float32)
-  sizes=(--sizes=tiny --train_steps=2 --repeats=1 --moe_tokens=256 --moe_embd=64 --moe_exp_dim=32
+  sizes=(--sizes=tiny --train_steps=1 --repeats=1 --moe_tokens=256 --moe_embd=64 --moe_exp_dim=32
          --moe_n_exp=16 --moe_top_k=4 --moe_repeats=1 --decode_block_size=64 --prompt_tokens=8
          --new_tokens=16 --contexts=16 --steps_at_context=8 --decode_ways=eager)
-  gpu_size=(--sizes=tiny --ways=eager)  # compiling: tests/test_model.py
+  gpu_size=(--sizes=tiny)  # eager and compiled, as on a GPU: one timed step of each
   gpu_decode=(--decode_size=tiny)
-  # eager: compiled training on the CPU is tests/test_scripts.py's (80 s of cold compiling here)
-  model=("$root/config/tiny.py" --max_iters=4 --eval_interval=4 --eval_iters=1)
-  # the GPU preset's sweep (K=2, paired seeds) on the tiny model: 2 seeds, 4 steps a run
-  sweep=(--max_iters=4 --seeds=1,2 "--train_args=$root/config/tiny.py --dataset=shakespeare
-    --eval_interval=4 --eval_iters=1")
+  # compiled as on a GPU, 2 steps: the cold compiles (training, then evaluation) are its time
+  model=("$root/config/tiny.py" --max_iters=2 --eval_interval=2 --eval_iters=1 --compile=True)
+  # the GPU preset's sweep (K=2, 5 paired seeds, 10 runs at once) on the tiny model, 2 steps a run
+  sweep=(--max_iters=2 "--train_args=$root/config/tiny.py --dataset=shakespeare
+    --eval_interval=2 --eval_iters=1")
   decode=()
   scale=${GPU_SH_SCALE:-8}  # cold compiles on a laptop's cores, not a GPU's seconds
 else
@@ -90,7 +90,7 @@ part gpu-decode 160 "${bench[@]}" --what=decode --out_dir="$out/gpu-decode" "${d
 part bench-train 40 "${bench[@]}" --what=train --out_dir="$out/bench-train" "${sizes[@]}"
 part bench-moe 20 "${bench[@]}" --what=moe --out_dir="$out/bench-moe" "${sizes[@]}"
 part tests 180 python -m pytest -q -rs -k cuda "$root/tests/test_model.py" \
-  "$root/tests/test_decoding.py" "$root/tests/test_faults.py" &
+  "$root/tests/test_decoding.py" "$root/tests/test_faults.py" "$root/tests/test_scripts.py" &
 part train 90 python "$root/train.py" "${model[@]}" --out_dir="$out/train" \
   --overwrite=True &
 part sweep 180 python "$root/experiments/sweep.py" "$root/experiments/config/sweep_gpu.py" \

@@ -103,19 +103,26 @@ def test_a_token_taking_k_experts_sums_its_k_outputs_gathered_forward_and_gradie
     assert (want[2][5] == 0).all()  # the idle expert's weights: no gradient
 
 
+@pytest.mark.parametrize("H", [24, 48])  # the sorted dispatch's gate before w_proj, or after
 @pytest.mark.parametrize("way", ['textbook', 'sorted', 'sorted, k a token'])
-def test_under_bf16_each_token_s_expert_outputs_are_summed_in_fp32(way):
-    # every expert's output is bf16; their sum is kept in fp32 and rounded once, not per addition
+def test_under_bf16_each_token_s_expert_outputs_are_summed_in_fp32(way, H):
+    # every expert's output is bf16 (or fp32 where the gate multiplies it); their sum is kept in
+    # fp32 and rounded once, not per addition; each output scaled by its own gate, where the way
+    # puts it: on h in bf16 (the loop; sorted where H <= C), or on the fp32 output (sorted, H > C)
     g = torch.Generator().manual_seed(5)
-    M, C, H, N = 64, 32, 32, 16
+    M, C, N = 64, 32, 16
     mask = torch.ones(M, N, dtype=torch.bool)  # every token takes every expert: 16 additions
-    gates = torch.ones(M, N).bfloat16()  # 1: the same parts with the gate before or after w_proj
+    gates = torch.rand(M, N, generator=g).bfloat16()
     x = torch.randn(M, C, generator=g).bfloat16()
     w_fc, w_proj = torch.randn(N, C, H, generator=g) * 0.3, torch.randn(N, H, C, generator=g) * 0.3
-    parts = [(torch.nn.functional.gelu(x @ w_fc[i].bfloat16()) @ w_proj[i].bfloat16())
-             for i in range(N)]  # (M, C) bf16 each, as the experts run them
-    in_fp32 = torch.stack([p.float() for p in parts]).sum(0).bfloat16()
-    in_bf16 = functools.reduce(torch.add, parts)
+    hs = [torch.nn.functional.gelu(x @ w_fc[i].bfloat16()) for i in range(N)]  # (M, H) bf16
+    if way == 'textbook' or H <= C:
+        parts = [((h * gates[:, i, None]) @ w_proj[i].bfloat16()).float() for i, h in enumerate(hs)]
+    else:
+        parts = [(h @ w_proj[i].bfloat16()).float() * gates[:, i, None].float()
+                 for i, h in enumerate(hs)]
+    in_fp32 = torch.stack(parts).sum(0).bfloat16()
+    in_bf16 = functools.reduce(torch.add, [p.bfloat16() for p in parts])
     assert not torch.equal(in_fp32, in_bf16)  # the two sums differ here
     experts = (functools.partial(moe_sorted, k=N) if way == 'sorted, k a token' else
                EXPERTS[way.split(',')[0]])

@@ -14,9 +14,10 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 
-from conftest import (HANG, OFFLINE_ENV, REPO, TINY, exit_message, one_error_line, python, run,
-                      tiny_config)
+from conftest import (HANG, OFFLINE_ENV, REPO, TINY, exit_message, needs_cuda, one_error_line,
+                      python, run, tiny_config)
 
 
 def logged(out_dir, event='train'):
@@ -831,10 +832,12 @@ def test_sample_routes_the_prompt_jointly_when_asked(workdir):
 
 
 @pytest.mark.long
+@pytest.mark.compile
 def test_the_gpu_script_runs_every_part_on_the_cpu_with_tiny_sizes(prepared, tmp_path):
     shutil.copytree(prepared / 'data', tmp_path / 'data')  # it runs where data/ is
-    # the parts' limits out of reach (x1000: hours), so that a busy machine cannot fail a part;
-    # the limits themselves are tested with commands that sleep (the next test)
+    # the parts' limits out of reach (x1000: hours), so that a busy machine cannot fail a part
+    # (the compiled MoE layers took half their --cpu limit at a load of 10 on 2 cores); the limits
+    # themselves are tested with commands that sleep (the next test)
     result = subprocess.run(['bash', os.path.join(REPO, 'experiments', 'gpu.sh'), 'gpu', '--cpu'],
                             cwd=tmp_path, env=dict(OFFLINE_ENV, GPU_SH_SCALE='1000', PATH=(
                                 f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}")),
@@ -850,16 +853,21 @@ def test_the_gpu_script_runs_every_part_on_the_cpu_with_tiny_sizes(prepared, tmp
     limit = int(re.search(r'^part bench-moe (\d+) ', script, re.M).group(1)) * 1000
     assert re.search(rf'^bench-moe: exit 0 after \d+ s \(limit {limit} s\)$', summary,
                      re.M), summary
+    # bench's compiled branch, as on a GPU: each router's step and the MoE layers compiled
     train = json.loads((out / 'gpu-train' / 'bench.json').read_text())['train']
-    assert [r['router'] for r in train] == ['dense', 'topk', 'seqtopk']  # eager here
+    assert [(r['router'], r['way']) for r in train] == [
+        (r, w) for r in ('dense', 'topk', 'seqtopk') for w in ('eager', 'compiled')]
+    assert all(r['kernels_per_step'] is None for r in train)  # device_work: the GPU's alone
     moe = json.loads((out / 'gpu-moe' / 'bench.json').read_text())['moe']
-    assert 'MoE topk, grouped' in {r['layer'] for r in moe}
+    assert {('MoE topk, grouped', 'compiled'), ('MoE seqtopk, grouped', 'compiled')} <= {
+        (r['layer'], r['way']) for r in moe}
     decode = json.loads((out / 'decode' / 'bench.json').read_text())['decode']
     # eager here: test_decoding compiles it
     assert {r['router'] for r in decode} == {'topk', 'seqtopk'}
+    assert logged(out / 'train', 'start')[0]['config']['compile']  # the train part, compiled
     rows = json.loads((out / 'sweep' / 'sweep.json').read_text())['rows']
     row = next(r for r in rows if r['router'] == 'seqtopk')
-    assert row['K'] == 2 and row['diff_n'] == 2 and row['diff_low'] is not None  # paired seeds
+    assert row['K'] == 2 and row['diff_n'] == 5 and row['diff_low'] is not None  # paired, 5 seeds
     assert 'Δ vs topk (causal)' in (out / 'sweep.log').read_text()
 
 
@@ -1035,6 +1043,17 @@ def test_bench_times_each_router_eager_and_compiled_against_its_dense_twin(monke
     assert dense.mlp_dim == moe.top_k * moe.exp_dim and dense.n_layer == moe.n_layer
     # on a GPU the profiler's kernels and busy time; on the CPU none
     assert rows['topk', 'eager']['kernels_per_step'] is None
+
+
+@needs_cuda
+def test_cuda_bench_counts_a_run_s_kernels_and_gpu_busy_time_per_call(monkeypatch):
+    # device_work, the kernels and busy time columns of gpu.sh's tables: on the CPU it returns None
+    import bench
+    monkeypatch.setattr(bench, 'device_type', 'cuda')
+    x = torch.randn(1024, 1024, device='cuda')
+    one = bench.device_work(lambda: x @ x, 1)  # cuBLAS's set-up too: its time, not its kernels
+    busy, kernels = bench.device_work(lambda: [x @ x for _ in range(4)], 4)  # 4 calls a run
+    assert kernels == one[1] >= 1 and busy > 0  # per call
 
 
 def tf32_said_at_exit():

@@ -20,21 +20,21 @@ from conftest import HANG, REPO
 NOTEBOOK = os.path.join(REPO, 'walkthrough.ipynb')
 NUMBER = re.compile(r'\d+(?:\.\d+)?')
 # A 150-step training's numbers depend on the CPU that computed them: another vector width, BLAS
-# kernel or thread count rounds a float sum otherwise, and 150 steps amplify that last bit. At 300
-# steps the committed copy (another machine's) and an AMD EPYC run with ATen's AVX2, default (no
-# vector) and default + MKL's SSE4.2 kernels (one thread each) gave: val CE topk 1.9141-1.9189,
-# seqtopk 1.8881-1.9063 (spread 0.018), train CE spread 0.022, load cv 0.091-0.156, the worst
-# prefix overspend +20 to +30 experts, entropy 0.994-0.998, val aux 0.0446-0.0452; the 80-token
-# sample's mean experts per layer 1.81-2.08, its max 3 or 4. At 150 steps, AVX2 against default
-# (one thread each): val CE 0.005 apart at most, train CE 0.008, load cv 0.032, overspend +22 and
-# +26, entropy 0.003, val aux the same; the sample's mean 0.20, its max 3 or 4. Every other number
-# the same on all: the step counts, the experts per token and their bounds (the budget:
-# 2.00[2-2], 2.00[1-4]), the sample's min. Hence, per number, by the text before it on its line
-# (else exact), about 3x the spread seen at 300 steps: a run that did not train stays at CE 4.3,
-# and a budget or bound that broke is exact.
+# kernel or thread count rounds a float sum otherwise, and 150 steps amplify that last bit. The
+# committed copy (an AMD EPYC, AVX2, one thread) against this Intel Xeon (AVX-512) at 150 steps:
+# ATen's AVX-512, AVX2 and default (no vector) kernels with one thread, and AVX-512 with two (the
+# test's thread count follows pytest's workers). seqtopk: train CE 2.0973-2.1037 (spread 0.0064),
+# val CE 2.0831-2.0936 (0.0105), causal 2.0844-2.0959 (0.0115), the worst prefix overspend +26
+# to +32 experts (6), load cv 0.138-0.186 (0.048), entropy 0.991-0.995, val aux 0.0478-0.0479;
+# the 80-token sample's mean experts per layer up to 0.25 apart (its sampled tokens part ways),
+# its max 3 or 4. topk's numbers were the committed ones to the digit. Every other number the
+# same on all: the step counts, the experts per token and their bounds (the budget: 2.00[2-2],
+# 2.00[1-4]), the sample's min. Hence, per number, by the text before it on its line (else
+# exact), about 3x the spread seen (the max, a count, within 1; val aux within a few of its last
+# digits): a run that did not train stays at CE 4.3, and a budget or bound that broke is exact.
 TOLERANCES = [(re.compile(before), tolerance) for before, tolerance in (
-    (r'(?:\bce|offline|causal|causal routing) $', 0.07),
-    (r'load cv $', 0.15), (r'overspend \+$', 25), (r'entropy $', 0.01), (r'aux $', 0.002),
+    (r'(?:\bce|offline|causal|causal routing) $', 0.035),
+    (r'load cv $', 0.15), (r'overspend \+$', 18), (r'entropy $', 0.012), (r'aux $', 0.0005),
     (r'mean \[[^\]]*$', 0.5), (r'max \[[^\]]*$', 1))]
 
 
@@ -125,6 +125,11 @@ def test_the_walkthrough_runs_top_to_bottom_and_shows_what_its_committed_copy_sh
     ("step 300: train ce 1.9169, val ce 1.9063 (offline 1.9063, causal 1.9077, worst causal prefix "
      "overspend +30 experts) | experts/token 2.00[1-4] | load cv 0.136, entropy 0.995 1", False),
     ("seqtopk, experts per token: mean [1.99, 1.96, 2.01] min [0.0, 1.0, 1.0] max [4.0, 4.0, 4.0]",
+     False),
+    # numbers past their tolerance: an overspend 20 over, a layer's mean 0.8 over
+    ("step 300: train ce 1.9169, val ce 1.9063 (offline 1.9063, causal 1.9077, worst causal prefix "
+     "overspend +50 experts) | experts/token 2.00[1-4] | load cv 0.136, entropy 0.995", False),
+    ("seqtopk, experts per token: mean [1.99, 2.76, 2.01] min [1.0, 1.0, 1.0] max [4.0, 4.0, 4.0]",
      False),
 ])
 def test_a_trained_cell_is_compared_by_its_words_and_its_numbers_within_their_tolerance(
