@@ -39,10 +39,12 @@ if [ "${2:-}" = --cpu ]; then
   sizes=(--sizes=tiny --train_steps=1 --repeats=1 --moe_tokens=256 --moe_embd=64 --moe_exp_dim=32
          --moe_n_exp=16 --moe_top_k=4 --moe_repeats=1 --decode_block_size=64 --prompt_tokens=8
          --new_tokens=16 --contexts=16 --steps_at_context=8 --decode_ways=eager)
-  gpu_size=(--sizes=tiny)  # eager and compiled, as on a GPU: one timed step of each
+  # eager and compiled, as on a GPU, one timed step of each: topk alone (each router's cold
+  # compile costs about a minute of CPU)
+  gpu_size=(--sizes=tiny --routers=topk)
   gpu_decode=(--decode_size=tiny)
-  # compiled as on a GPU, 2 steps: the cold compiles (training, then evaluation) are its time
-  model=("$root/config/tiny.py" --max_iters=2 --eval_interval=2 --eval_iters=1 --compile=True)
+  # eager: compiled training through train.py is test_compiled_training_through_train_py_...
+  model=("$root/config/tiny.py" --max_iters=2 --eval_interval=2 --eval_iters=1)
   # the GPU preset's sweep (K=2, 5 paired seeds, 10 runs at once) on the tiny model, 2 steps a run
   sweep=(--max_iters=2 "--train_args=$root/config/tiny.py --dataset=shakespeare
     --eval_interval=2 --eval_iters=1")
@@ -90,7 +92,8 @@ part gpu-decode 160 "${bench[@]}" --what=decode --out_dir="$out/gpu-decode" "${d
 part bench-train 40 "${bench[@]}" --what=train --out_dir="$out/bench-train" "${sizes[@]}"
 part bench-moe 20 "${bench[@]}" --what=moe --out_dir="$out/bench-moe" "${sizes[@]}"
 part tests 180 python -m pytest -q -rs -k cuda "$root/tests/test_model.py" \
-  "$root/tests/test_decoding.py" "$root/tests/test_faults.py" "$root/tests/test_scripts.py" &
+  "$root/tests/test_decoding.py" "$root/tests/test_faults.py" "$root/tests/test_scripts.py" \
+  "$root/tests/test_graphs.py" &
 part train 90 python "$root/train.py" "${model[@]}" --out_dir="$out/train" \
   --overwrite=True &
 part sweep 180 python "$root/experiments/sweep.py" "$root/experiments/config/sweep_gpu.py" \

@@ -853,10 +853,9 @@ def test_the_gpu_script_runs_every_part_on_the_cpu_with_tiny_sizes(prepared, tmp
     limit = int(re.search(r'^part bench-moe (\d+) ', script, re.M).group(1)) * 1000
     assert re.search(rf'^bench-moe: exit 0 after \d+ s \(limit {limit} s\)$', summary,
                      re.M), summary
-    # bench's compiled branch, as on a GPU: each router's step and the MoE layers compiled
+    # bench's compiled branch, as on a GPU: topk's step and the MoE layers compiled
     train = json.loads((out / 'gpu-train' / 'bench.json').read_text())['train']
-    assert [(r['router'], r['way']) for r in train] == [
-        (r, w) for r in ('dense', 'topk', 'seqtopk') for w in ('eager', 'compiled')]
+    assert [(r['router'], r['way']) for r in train] == [('topk', 'eager'), ('topk', 'compiled')]
     assert all(r['kernels_per_step'] is None for r in train)  # device_work: the GPU's alone
     moe = json.loads((out / 'gpu-moe' / 'bench.json').read_text())['moe']
     assert {('MoE topk, grouped', 'compiled'), ('MoE seqtopk, grouped', 'compiled')} <= {
@@ -864,7 +863,7 @@ def test_the_gpu_script_runs_every_part_on_the_cpu_with_tiny_sizes(prepared, tmp
     decode = json.loads((out / 'decode' / 'bench.json').read_text())['decode']
     # eager here: test_decoding compiles it
     assert {r['router'] for r in decode} == {'topk', 'seqtopk'}
-    assert logged(out / 'train', 'start')[0]['config']['compile']  # the train part, compiled
+    assert logged(out / 'train', 'done')  # the train part (eager here)
     rows = json.loads((out / 'sweep' / 'sweep.json').read_text())['rows']
     row = next(r for r in rows if r['router'] == 'seqtopk')
     assert row['K'] == 2 and row['diff_n'] == 5 and row['diff_low'] is not None  # paired, 5 seeds
