@@ -182,6 +182,8 @@ class Job:
         in_slurm = os.environ.get('SUBMITIT_EXECUTOR') == 'slurm'  # this process is the job's
         if in_slurm:  # SLURM signals the batch script's process group: train.py has its own
             signal.signal(signal.SIGTERM, lambda *_: self.proc and self.proc.send_signal(15))
+            if not self.fresh and self.last_event() == 'done':  # requeued as its run finished
+                return 0
         with open(self.folder + '.out', 'a' if cmd[-1] == '--init_from=resume' else 'w') as log:
             self.proc = subprocess.Popen(  # a session of its own: Ctrl-C reaches it by stop()
                 cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
@@ -189,15 +191,14 @@ class Job:
             if self.stopped:  # the sweep stopped while it started
                 self.stop()
             code = self.proc.wait()
-        if code == 0 and in_slurm and self.signalled():
+        if code == 0 and in_slurm and self.last_event() == 'stopped':  # saved, stopped
             self.requeue()  # the cluster's SIGTERM (requeued, preempted), not the sweep's stop
         return code
 
-    def signalled(self):  # its log's last record: train.py saved and stopped
+    def last_event(self):  # of the run's log (in a job the sweep's modules are not importable)
         with contextlib.suppress(OSError, ValueError, IndexError, KeyError):
             log = open(os.path.join(self.folder, 'log.jsonl')).read().splitlines()
-            return json.loads(log[-1])['event'] == 'stopped'
-        return False
+            return json.loads(log[-1])['event']
 
     def requeue(self):
         """In a SLURM job whose train.py saved and stopped on a signal the sweep did not send:
@@ -208,7 +209,8 @@ class Job:
         delayed = submitit.helpers.DelayedSubmission.load(env.paths.submitted_pickle)
         delayed.function = Job(self.cmd, self.folder, False)  # resumes, even a fresh run
         delayed.dump(env.paths.submitted_pickle)
-        subprocess.run(['scontrol', 'requeue', env.job_id])  # refused if already requeued
+        subprocess.run(['scontrol', 'requeue', env.job_id],  # refused if already requeued;
+                       start_new_session=True)  # the requeue's SIGTERM must not stop it
         sys.exit(-1)  # not an Exception: submitit writes no result, its job is not done
 
     def stop(self):  # train.py saves after its step and exits
@@ -222,6 +224,8 @@ class Job:
             self.stop()
             with contextlib.suppress(ChildProcessError):  # not proc.wait(): the wait that this
                 os.waitpid(self.proc.pid, 0)  # signal interrupted holds its lock
+        if self.last_event() == 'done':  # the warning came as it finished: not requeued
+            return None
         return submitit.helpers.DelayedSubmission(Job(self.cmd, self.folder, False))
 
 
@@ -284,8 +288,8 @@ def train(folder, args, number, executor):
         running.discard(end)
         if stopping:
             return None
-        failed = None
-        if code != 0:
+        failed = None  # a job's run that finished is done, whatever then ended the job
+        if code != 0 and not (submitted and last_done(folder, evaluation)):
             lines = (open(folder + '.out', errors='replace').read().strip().splitlines()
                      if os.path.exists(folder + '.out') else [])
             why = next((line for line in reversed(lines) if line.startswith('error: ')),

@@ -229,14 +229,14 @@ def cluster_for_this_test(root):
     with FileLock(str(root / 'busy.lock')):
         releaser = threading.Thread(target=releasing, args=(stop,), daemon=True)
         releaser.start()
+        left = lambda: subprocess.run(['squeue', '-h'], capture_output=True, text=True).stdout
         try:
             yield
+            with contextlib.suppress(RuntimeError):
+                until(lambda: not left(), 60, 'squeue empty')
         finally:
             stop.set()
             releaser.join()
-        left = lambda: subprocess.run(['squeue', '-h'], capture_output=True, text=True).stdout
-        with contextlib.suppress(RuntimeError):
-            until(lambda: not left(), 60, 'squeue empty')
         assert not left(), left()
 
 
@@ -353,5 +353,5 @@ def test_a_slurm_sweep_s_jobs_preempted_by_a_higher_priority_job_resume_after_it
         subprocess.run(['sbatch', '-p', 'high', '-c', str(CPUS), '--wrap', 'sleep 5'], check=True,
                        capture_output=True)
     with cluster_for_this_test(cluster):
-        ends_finished(workdir, 'preempted', 300, preempt, (1,))
-        finished_once(workdir / 'preempted' / 'seqtopk-k2-s1', 300, (1,))
+        ends_finished(workdir, 'preempted', 1500, preempt, (1,))
+        finished_once(workdir / 'preempted' / 'seqtopk-k2-s1', 1500, (1,))
