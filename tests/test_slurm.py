@@ -252,11 +252,13 @@ def acted(workdir, name, max_iters, act, *extra):
     return started
 
 
-def ends_finished(workdir, name, max_iters, act, stops, *extra):
+def ends_finished(workdir, name, max_iters, act, stops, *extra, seqtopk_stops=(0,)):
+    """The sweep ends well, each run finished once: topk's stopped `stops` times, seqtopk's
+    `seqtopk_stops`."""
     started = acted(workdir, name, max_iters, act, *extra)
     assert started.returncode == 0, started.err
-    for run in ('topk-k2-s1', 'seqtopk-k2-s1'):
-        finished_once(workdir / name / run, max_iters, stops if run == 'topk-k2-s1' else (0,))
+    finished_once(workdir / name / 'topk-k2-s1', max_iters, stops)
+    finished_once(workdir / name / 'seqtopk-k2-s1', max_iters, seqtopk_stops)
 
 
 def scontrol(*args):
@@ -283,7 +285,7 @@ def warned_before_its_time_limit(workdir):  # SLURM's --signal=B:USR2@90, sent n
 
 def past_its_time_limit(workdir):  # warned when less than 90 s are left: at once
     ends_finished(workdir, 'time_limit', 800, lambda job, _: None, range(1, 10),
-                  '--slurm_time=1', '--slurm_max_timeouts=9')
+                  '--slurm_time=1', '--slurm_max_timeouts=9', seqtopk_stops=range(1, 10))
 
 
 def sweep_to_the_end(workdir):
@@ -291,14 +293,15 @@ def sweep_to_the_end(workdir):
 
 
 def fails(workdir, name, stopped, why, *extra):
-    """The sweep exits 1 with one line naming the run that failed and why; the other's log ends
-    with its stop (saved), or it had not started."""
+    """The sweep exits 1 with one line naming the run that failed and why; the other run
+    stopped (saved), finished first, or had not started."""
     started = acted(workdir, name, 800, stopped, *extra)
     assert started.returncode == 1, started.err
     assert re.fullmatch(rf'error: the run in {name}/\S+ failed \(job \d+: {why}\); see \S+\.out',
                         started.err.strip().splitlines()[-1]), started.err
     for run in ('topk-k2-s1', 'seqtopk-k2-s1'):
-        assert [r['event'] for r in records(workdir / name / run)][-1:] in ([], ['stopped'])
+        assert [r['event'] for r in records(workdir / name / run)][-1:] in (
+            [], ['stopped'], ['done'])
 
 
 def a_job_fails(workdir):  # its process killed (by the kernel's OOM killer, say)
@@ -353,5 +356,4 @@ def test_a_slurm_sweep_s_jobs_preempted_by_a_higher_priority_job_resume_after_it
         subprocess.run(['sbatch', '-p', 'high', '-c', str(CPUS), '--wrap', 'sleep 5'], check=True,
                        capture_output=True)
     with cluster_for_this_test(cluster):
-        ends_finished(workdir, 'preempted', 1500, preempt, (1,))
-        finished_once(workdir / 'preempted' / 'seqtopk-k2-s1', 1500, (1,))
+        ends_finished(workdir, 'preempted', 1500, preempt, (1,), seqtopk_stops=(1,))
