@@ -203,14 +203,17 @@ class Job:
     def requeue(self):
         """In a SLURM job whose train.py saved and stopped on a signal the sweep did not send:
         back in the queue, to resume the run (its time-outs counted as before). A job cancelled
-        (by the sweep too) cannot be: it ends with no result."""
+        (by the sweep too) stays so: it ends with no result."""
         import submitit
         env = submitit.JobEnvironment()
         delayed = submitit.helpers.DelayedSubmission.load(env.paths.submitted_pickle)
         delayed.function = Job(self.cmd, self.folder, False)  # resumes, even a fresh run
         delayed.dump(env.paths.submitted_pickle)
-        subprocess.run(['scontrol', 'requeue', env.job_id],  # refused if already requeued;
-                       start_new_session=True)  # the requeue's SIGTERM must not stop it
+        state = subprocess.run(['sacct', '-X', '-n', '-o', 'State', '-j', env.job_id],
+                               capture_output=True, text=True, start_new_session=True).stdout
+        if 'CANCELLED' not in state:  # scontrol would requeue a cancelled job too
+            subprocess.run(['scontrol', 'requeue', env.job_id],  # refused if requeued already;
+                           start_new_session=True)  # the requeue's SIGTERM must not stop it
         sys.exit(-1)  # not an Exception: submitit writes no result, its job is not done
 
     def stop(self):  # train.py saves after its step and exits
@@ -245,6 +248,23 @@ def job_left(folder, executor, again):
     job.cancel(check=False)
     job.wait()
     return None
+
+
+def job_result(job):
+    """train.py's exit status from a submitit job, else the exception it ended with. An end that
+    SLURM took back, the job queued again (submitit's own requeue, its scontrol killed by the
+    requeue's SIGTERM, leaves an error), is not its end: wait for the job again."""
+    while True:
+        error = job.exception()
+        if error is None:
+            return job.result()
+        state = subprocess.run(['sacct', '-X', '-n', '-o', 'State', '-j', job.job_id],
+                               capture_output=True, text=True).stdout.split()
+        if state[:1] not in (['PENDING'], ['REQUEUED'], ['REQUEUE_HOLD']):
+            return error
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(job.paths.result_pickle)
+        job.watcher.clear()  # its cache holds the job as ended
 
 
 def job_failure(error):
@@ -284,7 +304,7 @@ def train(folder, args, number, executor):
         if stopping:  # the sweep stopped while it started
             end()
         # a job that ended without train.py's exit status (cancelled, killed...): its exception
-        code = submitted.exception() or submitted.result() if submitted else job()
+        code = job_result(submitted) if submitted else job()
         running.discard(end)
         if stopping:
             return None

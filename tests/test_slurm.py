@@ -342,9 +342,11 @@ def test_a_slurm_sweep_finishes_each_run_once_whatever_the_cluster_does_to_its_j
     with cluster_for_this_test(cluster), ThreadPoolExecutor(len(SCENARIOS)) as pool:
         t0 = time.time()
         futures = {s.__name__: pool.submit(s, workdir) for s in SCENARIOS}
-        failed = {name: repr(f.exception()) for name, f in futures.items() if f.exception()}
+        failed = {name: f.exception() for name, f in futures.items() if f.exception()}
         print(f"{len(SCENARIOS)} scenarios in {time.time() - t0:.0f} s")
-    assert not failed, failed
+        for name, error in failed.items():
+            print(f"{name}: {str(error).splitlines()[0]}")
+    assert not failed, ', '.join(failed)
 
 
 def test_a_slurm_sweep_s_jobs_preempted_by_a_higher_priority_job_resume_after_it(cluster,
