@@ -129,13 +129,14 @@ def start_cluster(root):
 
 
 def stop_cluster(root):
-    """Each daemon this fixture started, by the pid it wrote, then wait until it is gone."""
+    """Each daemon this fixture started, by the pid it wrote, then wait until they are gone."""
+    pids = []
     for name in PIDS:
         with contextlib.suppress(OSError, ValueError):
-            pid = int((root / f'{name}.pid').read_text())
-            os.kill(pid, signal.SIGTERM)
-            with contextlib.suppress(RuntimeError):
-                until(lambda: not os.path.exists(f'/proc/{pid}'), 30, name)
+            pids.append(int((root / f'{name}.pid').read_text()))
+            os.kill(pids[-1], signal.SIGTERM)
+    with contextlib.suppress(RuntimeError):
+        until(lambda: not any(os.path.exists(f'/proc/{pid}') for pid in pids), 30, 'daemons')
 
 
 @pytest.fixture(scope='session')
@@ -305,11 +306,12 @@ def fails(workdir, name, stopped, why, *extra):
 
 
 def a_job_fails(workdir):  # its process killed (by the kernel's OOM killer, say)
-    def kill_job(job, _):
-        [train] = [int(p.split('/')[2]) for p in glob.glob('/proc/[0-9]*/cmdline') if
-                   '--out_dir=a_job_fails/topk-k2-s1' in open(p).read().replace('\0', ' ')]
-        os.kill(int(open(f'/proc/{train}/stat').read().rsplit(')', 1)[1].split()[1]),
-                signal.SIGKILL)
+    def kill_job(job, _):  # train.py's parent
+        for cmdline in glob.glob('/proc/[0-9]*/cmdline'):
+            with contextlib.suppress(OSError):  # a process that ended meanwhile
+                if '--out_dir=a_job_fails/topk-k2-s1' in open(cmdline).read().replace('\0', ' '):
+                    stat = open(cmdline.replace('cmdline', 'stat')).read()
+                    return os.kill(int(stat.rsplit(')', 1)[1].split()[1]), signal.SIGKILL)
     fails(workdir, 'a_job_fails', kill_job, r'ended with no result \(FAILED\)')
 
 
@@ -358,4 +360,5 @@ def test_a_slurm_sweep_s_jobs_preempted_by_a_higher_priority_job_resume_after_it
         subprocess.run(['sbatch', '-p', 'high', '-c', str(CPUS), '--wrap', 'sleep 5'], check=True,
                        capture_output=True)
     with cluster_for_this_test(cluster):
-        ends_finished(workdir, 'preempted', 1500, preempt, (1,), seqtopk_stops=(1,))
+        # runs long enough for SLURM to preempt them: it took 10 to 40 s here
+        ends_finished(workdir, 'preempted', 3000, preempt, (1,), seqtopk_stops=(1,))
