@@ -96,7 +96,7 @@ def ok(*cmd):
 def start_cluster(root):
     """munged, MariaDB, slurmdbd, slurmctld and slurmd -N localhost, as root, their files and pid
     files in root; RuntimeError if one does not start."""
-    if os.geteuid() != 0 or not shutil.which('slurmctld') or not shutil.which('mariadbd'):
+    if os.geteuid() != 0 or not all(map(shutil.which, ('sbatch', 'slurmctld', 'mariadbd'))):
         raise RuntimeError("needs root and Debian's slurmctld, slurmd, slurmdbd, munge, "
                            "mariadb-server (.ci/run installs them)")
     ports = dict(dbd_port=16819, ctld_port=16817, d_port=16818)
@@ -136,7 +136,13 @@ def stop_cluster(root):
             pids.append(int((root / f'{name}.pid').read_text()))
             os.kill(pids[-1], signal.SIGTERM)
     with contextlib.suppress(RuntimeError):
-        until(lambda: not any(os.path.exists(f'/proc/{pid}') for pid in pids), 30, 'daemons')
+        until(lambda: not any(map(alive, pids)), 30, 'daemons')
+
+
+def alive(pid):  # neither gone nor a zombie (MariaDB's, until the process that started it ends)
+    with contextlib.suppress(OSError):
+        return open(f'/proc/{pid}/stat').read().rsplit(')', 1)[1].split()[0] != 'Z'
+    return False
 
 
 @pytest.fixture(scope='session')
