@@ -540,8 +540,9 @@ def main():
                                    cpus_per_task=slurm_cpus,
                                    slurm_partition=slurm_partition or None, slurm_use_srun=False,
                                    # the warning (to the job's process) 90 s before the time
-                                   # limit, or half way: sent before submitit listens, it kills
-                                   slurm_additional_parameters=dict(
+                                   # limit, or half way; SLURM may send it up to 60 s early:
+                                   # ignored until submitit listens, never a kill
+                                   slurm_setup=["trap '' USR2"], slurm_additional_parameters=dict(
                                        signal=f'B:USR2@{min(90, slurm_time * 30)}'))
     elif jobs > 1:  # share the cores: one run's threads should not contend with another's
         os.environ['OMP_NUM_THREADS'] = str(max(1, (os.cpu_count() or 1) // jobs))
