@@ -18,6 +18,8 @@ import csv
 import ctypes
 import json
 import os
+import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -55,6 +57,7 @@ rerun_changed = False     # a finished or stopped run made with other settings: 
 launcher = 'local'        # 'local': runs on this machine; 'slurm': a SLURM job per run (submitit)
 slurm_partition = ''      # the jobs' partition ('': the cluster's default)
 slurm_time = 240          # each job's time limit in minutes: a run past it is requeued, resumed
+slurm_max_timeouts = 3    # time limits a run may reach (each requeued, resumed); one more: it fails
 slurm_gpus = 1            # GPUs per job
 slurm_cpus = 8            # CPUs per job
 # -----------------------------------------------------------------------------
@@ -68,6 +71,7 @@ RULES = dict(out_dir=non_empty, routers=each(one_of(*ROUTERS), router_of),
              top_ks=each(positive_int, int), seeds=each(a_seed, int),
              max_iters=positive_int, pretrain_k=positive_int, pretrain_iters=positive_int,
              jobs=positive_int, launcher=one_of('local', 'slurm'), slurm_time=positive_int,
+             slurm_max_timeouts=non_negative_int,
              slurm_gpus=non_negative_int, slurm_cpus=positive_int,
              dense=Rule(lambda v: v == '' or all(i in ('active', 'total') for i in v.split(',')),
                         "'' (none), 'active', 'total' or 'active,total'"))
@@ -179,13 +183,42 @@ class Job:
     def __call__(self):  # train.py's exit status
         cmd, parent = self.command(), os.getpid()
         prctl = ctypes.CDLL(None).prctl if sys.platform == 'linux' else None
+        in_slurm = os.environ.get('SUBMITIT_EXECUTOR') == 'slurm'  # this process is the job's
+        if in_slurm:  # SLURM signals the batch script's process group: train.py has its own
+            signal.signal(signal.SIGTERM, lambda *_: self.proc and self.proc.send_signal(15))
+            if not self.fresh and self.last_event() == 'done':  # requeued as its run finished
+                return 0
         with open(self.folder + '.out', 'a' if cmd[-1] == '--init_from=resume' else 'w') as log:
             self.proc = subprocess.Popen(  # a session of its own: Ctrl-C reaches it by stop()
                 cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                 preexec_fn=lambda: ends_with(parent, prctl))
             if self.stopped:  # the sweep stopped while it started
                 self.stop()
-            return self.proc.wait()
+            code = self.proc.wait()
+        if code == 0 and in_slurm and self.last_event() == 'stopped':  # saved, stopped
+            self.requeue()  # the cluster's SIGTERM (requeued, preempted), not the sweep's stop
+        return code
+
+    def last_event(self):  # of the run's log (in a job the sweep's modules are not importable)
+        with contextlib.suppress(OSError, ValueError, IndexError, KeyError):
+            log = open(os.path.join(self.folder, 'log.jsonl')).read().splitlines()
+            return json.loads(log[-1])['event']
+
+    def requeue(self):
+        """In a SLURM job whose train.py saved and stopped on a signal the sweep did not send:
+        back in the queue, to resume the run (its time-outs counted as before). A job cancelled
+        (by the sweep too) stays so: it ends with no result."""
+        import submitit
+        env = submitit.JobEnvironment()
+        delayed = submitit.helpers.DelayedSubmission.load(env.paths.submitted_pickle)
+        delayed.function = Job(self.cmd, self.folder, False)  # resumes, even a fresh run
+        delayed.dump(env.paths.submitted_pickle)
+        state = subprocess.run(['sacct', '-X', '-n', '-o', 'State', '-j', env.job_id],
+                               capture_output=True, text=True, start_new_session=True).stdout
+        if 'CANCELLED' not in state:  # scontrol would requeue a cancelled job too
+            subprocess.run(['scontrol', 'requeue', env.job_id],  # refused if requeued already;
+                           start_new_session=True)  # the requeue's SIGTERM must not stop it
+        sys.exit(-1)  # not an Exception: submitit writes no result, its job is not done
 
     def stop(self):  # train.py saves after its step and exits
         self.stopped = 1
@@ -198,7 +231,55 @@ class Job:
             self.stop()
             with contextlib.suppress(ChildProcessError):  # not proc.wait(): the wait that this
                 os.waitpid(self.proc.pid, 0)  # signal interrupted holds its lock
+        if self.last_event() == 'done':  # the warning came as it finished: not requeued
+            return None
         return submitit.helpers.DelayedSubmission(Job(self.cmd, self.folder, False))
+
+
+def job_left(folder, executor, again):
+    """The SLURM job (submitit's) that a sweep killed left running the run in folder, if it is
+    still queued or running; None if none. A run to train again from scratch: cancelled first."""
+    import submitit
+    try:
+        job_id = json.load(open(folder + '.job.json'))['job_id']
+    except (OSError, ValueError, KeyError):
+        return None
+    job = submitit.SlurmJob(executor.folder, job_id)
+    if job.done(force_check=True) or job.state == 'UNKNOWN':  # ended, or unknown to sacct
+        return None
+    if not again:
+        return job
+    job.cancel(check=False)
+    job.wait()
+    return None
+
+
+def job_result(job):
+    """train.py's exit status from a submitit job, else the exception it ended with. An end that
+    SLURM took back, the job queued again (submitit's own requeue, its scontrol killed by the
+    requeue's SIGTERM, leaves an error), is not its end: wait for the job again."""
+    while True:
+        error = job.exception()
+        if error is None:
+            return job.result()
+        state = subprocess.run(['sacct', '-X', '-n', '-o', 'State', '-j', job.job_id],
+                               capture_output=True, text=True).stdout.split()
+        if state[:1] not in (['PENDING'], ['REQUEUED'], ['REQUEUE_HOLD']):
+            return error
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(job.paths.result_pickle)
+        job.watcher.clear()  # its cache holds the job as ended
+
+
+def job_failure(error):
+    """submitit's reason a job gave no result, in one line: the exception it raised (its trace's
+    last line), else the state SLURM ended it in."""
+    text = str(error)
+    trace = text.split('-' * 22)
+    if len(trace) > 2:  # FailedJobError: the job raised
+        return trace[1].strip().splitlines()[-1]
+    state = re.search(r'has not produced any output \(state: ([^)]*)\)', text)
+    return f"ended with no result ({state[1]})" if state else ' '.join(text.split('\n')[:2])
 
 
 def train(folder, args, number, executor):
@@ -208,27 +289,35 @@ def train(folder, args, number, executor):
     if (again or last_done(folder, evaluation) is None) and not stopping:
         job = Job([sys.executable, TRAIN, *train_args.split(), *args, f'--out_dir={folder}'],
                   folder, again or evaluation)
-        say(f"{number} $ {' '.join(job.command()[1:])}")
+        submitted = executor and job_left(folder, executor, again)
+        if submitted:
+            say(f"{number} waiting for job {submitted.job_id}, which a sweep killed left "
+                f"training {folder}")
+        else:
+            say(f"{number} $ {' '.join(job.command()[1:])}")
         try:
-            submitted = executor and executor.submit(job)
+            submitted = submitted or executor and executor.submit(job)
         except Exception as e:  # sbatch refused it: a partition the cluster lacks...
             stop('a job was refused')
             fail(f"submitit could not submit the run in {folder} ({e!r})")
+        if executor:  # for the next sweep, if this one is killed
+            with written(folder + '.job.json') as tmp, open(tmp, 'w') as f:
+                json.dump(dict(job_id=submitted.job_id), f)
         end = (lambda: submitted.cancel(check=False)) if submitted else job.stop
         running.add(end)
         if stopping:  # the sweep stopped while it started
             end()
         # a job that ended without train.py's exit status (cancelled, killed...): its exception
-        code = submitted.exception() or submitted.result() if submitted else job()
+        code = job_result(submitted) if submitted else job()
         running.discard(end)
         if stopping:
             return None
-        failed = None
-        if code != 0:
+        failed = None  # a job's run that finished is done, whatever then ended the job
+        if code != 0 and not (submitted and last_done(folder, evaluation)):
             lines = (open(folder + '.out', errors='replace').read().strip().splitlines()
                      if os.path.exists(folder + '.out') else [])
             why = next((line for line in reversed(lines) if line.startswith('error: ')),
-                       f'job {submitted.job_id}: {str(code).splitlines()[0]}'
+                       f'job {submitted.job_id}: {job_failure(code)}'
                        if isinstance(code, Exception) else lines[-1] if lines
                        else f'exit status {code}')
             failed = f"the run in {folder} failed ({why.removeprefix('error: ')})"
@@ -442,14 +531,23 @@ def main():
     if launcher == 'slurm':  # a job per run; submitit is imported only here
         try:
             import submitit
-            executor = submitit.AutoExecutor(os.path.join(out_dir, 'slurm'), cluster='slurm')
+            # the job's process is the batch script's (exec, no srun): srun turns a SIGTERM to
+            # every process (scancel --full, a requeue) into SIGKILL before train.py can save
+            executor = submitit.AutoExecutor(os.path.join(out_dir, 'slurm'), cluster='slurm',
+                                             slurm_max_num_timeout=slurm_max_timeouts,
+                                             slurm_python=f'exec {shlex.quote(sys.executable)}')
         except ImportError:
             fail("--launcher=slurm needs submitit: pip install submitit")
         except RuntimeError as e:  # not on a SLURM cluster
             fail(f"--launcher=slurm: {e}")
         executor.update_parameters(timeout_min=slurm_time, gpus_per_node=slurm_gpus,
                                    cpus_per_task=slurm_cpus,
-                                   slurm_partition=slurm_partition or None)
+                                   slurm_partition=slurm_partition or None, slurm_use_srun=False,
+                                   # the warning (to the job's process) 90 s before the time
+                                   # limit, or half way; SLURM may send it up to 60 s early:
+                                   # ignored until submitit listens, never a kill
+                                   slurm_setup=["trap '' USR2"], slurm_additional_parameters=dict(
+                                       signal=f'B:USR2@{min(90, slurm_time * 30)}'))
     elif jobs > 1:  # share the cores: one run's threads should not contend with another's
         os.environ['OMP_NUM_THREADS'] = str(max(1, (os.cpu_count() or 1) // jobs))
     os.makedirs(out_dir, exist_ok=True)
