@@ -367,8 +367,8 @@ def test_a_slurm_sweep_s_jobs_preempted_by_a_higher_priority_job_resume_after_it
     GraceTime), save, go back to the queue and resume once it ends."""
     def preempt(job, _):
         until(lambda: training(workdir / 'preempted' / 'seqtopk-k2-s1'), HANG, 'seqtopk training')
-        subprocess.run(['sbatch', '-p', 'high', '-c', str(CPUS), '--wrap', 'sleep 5'], check=True,
-                       capture_output=True)
+        subprocess.run(['sbatch', '-p', 'high', '-c', str(CPUS), '-o', '/dev/null', '--wrap',
+                        'sleep 5'], check=True, capture_output=True)
     with cluster_for_this_test(cluster):
         # runs long enough for SLURM to preempt them: it took 10 to 40 s here
         ends_finished(workdir, 'preempted', 3000, preempt, (1,), seqtopk_stops=(1,))
