@@ -81,7 +81,8 @@ bench=(python "$root/bench.py" "${device[@]}")  # --cpu: tiny sizes last, so tha
 # measured (s): on the H200 bench-train 6 routers < 31, bench-moe 11, a compiled step of the
 # default model 60 (3 rounds), tests 73; on the H100 (2026-11-27) gpu-train 130,
 # gpu-moe 42, decode 79, gpu-decode 76, tests 83-94, the sweep 137 (133 by its own clock, each run
-# 112-127); each limit about twice that, a hang's; after the benchmarks the parts share the GPU
+# 112-127); each limit about twice that, a hang's (tests: 300, for test_graphs.py's five compiled
+# train.py runs, unmeasured); after the benchmarks the parts share the GPU
 part gpu-train 260 "${bench[@]}" --what=train --routers=dense,topk,seqtopk --ways=eager,compiled \
   --repeats=3 --train_steps=5 --out_dir="$out/gpu-train" "${sizes[@]}" "${gpu_size[@]}"
 part gpu-moe 90 "${bench[@]}" --what=moe --ways=eager,compiled --moe_repeats=5 \
@@ -91,7 +92,7 @@ part gpu-decode 160 "${bench[@]}" --what=decode --out_dir="$out/gpu-decode" "${d
   "${sizes[@]}" "${gpu_decode[@]}"
 part bench-train 40 "${bench[@]}" --what=train --out_dir="$out/bench-train" "${sizes[@]}"
 part bench-moe 20 "${bench[@]}" --what=moe --out_dir="$out/bench-moe" "${sizes[@]}"
-part tests 180 python -m pytest -q -rs -k cuda "$root/tests/test_model.py" \
+part tests 300 python -m pytest -q -rs -k cuda "$root/tests/test_model.py" \
   "$root/tests/test_decoding.py" "$root/tests/test_faults.py" "$root/tests/test_scripts.py" \
   "$root/tests/test_graphs.py" &
 part train 90 python "$root/train.py" "${model[@]}" --out_dir="$out/train" \
