@@ -198,8 +198,7 @@ class StaticCache(Cache):
     def new_layer(self):
         return StaticLayerCache(self)
 
-    def holds(self, B):
-        """Whether its buffers exist for a batch of B: a compiled step cannot make one (static)."""
+    def holds(self, B):  # its buffers made for a batch of B: a compiled step cannot make them
         return self.pos is not None and all(layer.k is not None and layer.k.shape[0] == B
                                             for layer in self.layers)
 
