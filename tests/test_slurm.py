@@ -310,18 +310,29 @@ def fails(workdir, name, stopped, why, *extra):
     assert started.returncode == 1, started.err
     assert re.fullmatch(rf'error: the run in {name}/\S+ failed \(job \d+: {why}\); see \S+\.out',
                         started.err.strip().splitlines()[-1]), started.err
+    # the other run's job, cancelled as the sweep stopped, may still be saving: its log once done
+    until(lambda: not processes(f'--out_dir={name}/'), HANG, f'{name}: its runs to end')
     for run in ('topk-k2-s1', 'seqtopk-k2-s1'):
         assert [r['event'] for r in records(workdir / name / run)][-1:] in (
             [], ['stopped'], ['done'])
 
 
+def processes(needle):
+    """The pids of the processes whose command line holds needle."""
+    pids = []
+    for cmdline in glob.glob('/proc/[0-9]*/cmdline'):
+        with contextlib.suppress(OSError):  # a process that ended meanwhile
+            if needle in open(cmdline).read().replace('\0', ' '):
+                pids.append(int(cmdline.split('/')[2]))
+    return pids
+
+
 def a_job_fails(workdir):  # its process killed (by the kernel's OOM killer, say)
     def kill_job(job, _):  # train.py's parent
-        for cmdline in glob.glob('/proc/[0-9]*/cmdline'):
-            with contextlib.suppress(OSError):  # a process that ended meanwhile
-                if '--out_dir=a_job_fails/topk-k2-s1' in open(cmdline).read().replace('\0', ' '):
-                    stat = open(cmdline.replace('cmdline', 'stat')).read()
-                    return os.kill(int(stat.rsplit(')', 1)[1].split()[1]), signal.SIGKILL)
+        for pid in processes('--out_dir=a_job_fails/topk-k2-s1'):
+            with contextlib.suppress(OSError):
+                stat = open(f'/proc/{pid}/stat').read()
+                return os.kill(int(stat.rsplit(')', 1)[1].split()[1]), signal.SIGKILL)
     fails(workdir, 'a_job_fails', kill_job, r'ended with no result \(FAILED\)')
 
 
@@ -332,12 +343,23 @@ def past_its_time_limit_once_too_often(workdir):
 
 
 def killed_and_run_again(workdir):  # the same command finds the jobs the killed sweep left
-    def kill(job, sweep):  # once both jobs are submitted
-        until(lambda: (workdir / 'killed' / 'seqtopk-k2-s1.job.json').exists(), HANG, 'seqtopk')
+    def kill(job, sweep):  # once both runs train: stopped (SIGSTOP: they cannot end meanwhile,
+        # their jobs still RUNNING to SLURM), the sweep killed
+        until(lambda: training(workdir / 'killed' / 'seqtopk-k2-s1'), HANG, 'seqtopk')
+        for pid in processes('--out_dir=killed/'):
+            os.kill(pid, signal.SIGSTOP)
         sweep.kill()
     acted(workdir, 'killed', 300, kill)
     again = start_sweep(workdir, sweep_args('killed', 300))
+    said = []
+    while len([line for line in said if 'waiting for job ' in line]) < 2:
+        said.append(again.stdout.readline())
+        if not said[-1] or ' $ ' in said[-1]:  # it ended, or submitted a job again
+            break
+    for pid in processes('--out_dir=killed/'):
+        os.kill(pid, signal.SIGCONT)
     out, err = again.communicate(timeout=HANG)
+    out = ''.join(said) + out
     assert again.returncode == 0, err
     assert out.count('waiting for job ') == 2 and ' $ ' not in out, out  # nothing submitted
     for run in ('topk-k2-s1', 'seqtopk-k2-s1'):
