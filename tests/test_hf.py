@@ -1,0 +1,155 @@
+"""
+hf.py, seqmoe's routers on Hugging Face MoE models: tiny OLMoE, Qwen2-MoE and Mixtral models (2
+layers, 8 experts, top 2) built from a config, saved and loaded by from_pretrained (offline), each
+routed as the model routes, by seqtopk, in generate, and undone.
+"""
+import pytest
+import torch
+
+transformers = pytest.importorskip('transformers', reason="hf.py needs transformers "
+                                   "(pip install -r requirements.txt)")
+import hf  # noqa: E402
+from router import online_seqtopk_mask, seqtopk_mask  # noqa: E402
+
+SHAPES = dict(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, num_experts_per_tok=2,
+              max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=None)
+CONFIGS = dict(olmoe=lambda: transformers.OlmoeConfig(num_experts=8, **SHAPES),
+               qwen2_moe=lambda: transformers.Qwen2MoeConfig(
+                   num_experts=8, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+                   **SHAPES),
+               mixtral=lambda: transformers.MixtralConfig(num_local_experts=8, **SHAPES))
+GREEDY = dict(max_new_tokens=6, do_sample=False)
+
+
+def tiny_model(family, folder):
+    """A random tiny model of the family, saved and loaded again: the real loading path."""
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(CONFIGS[family]()).save_pretrained(folder)
+    return transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+
+
+@pytest.fixture(scope='module', params=list(CONFIGS))
+def model(request, tmp_path_factory):
+    return tiny_model(request.param, tmp_path_factory.mktemp(request.param))
+
+
+def left_padded(B=3, T=10, pads=(0, 3, 5), seed=1):
+    """ids (B, T) of real tokens after pads[b] pad tokens, and the attention mask."""
+    ids = torch.randint(3, 64, (B, T), generator=torch.Generator().manual_seed(seed))
+    mask = torch.arange(T)[None] >= torch.tensor(pads)[:, None]  # (B, T)
+    return ids.masked_fill(~mask, 0), mask.long()
+
+
+def experts_received(model):
+    """Each experts call's mask (tokens, N), rebuilt from the index and weights it was given."""
+    seen = []
+
+    def hook(experts, args):
+        _, index, weights = args
+        given = torch.zeros(index.shape[0], experts.num_experts, dtype=torch.long)
+        seen.append(given.scatter_add_(-1, index, (weights > 0).long()) > 0)  # 0: padding
+    return seen, [b.experts.register_forward_pre_hook(hook) for b in model.seqmoe.blocks]
+
+
+@torch.no_grad()
+def test_topk_at_the_models_own_k_gives_its_logits_and_generate_tokens(model):
+    ids, mask = left_padded()
+    logits, alone = model(ids, attention_mask=mask).logits, model(ids[:1]).logits
+    tokens = model.generate(ids, attention_mask=mask, **GREEDY)
+    with hf.routed(model, 'topk') as routed:
+        assert torch.equal(routed(ids, attention_mask=mask).logits, logits)
+        assert torch.equal(routed(ids[:1]).logits, alone)  # no padding: every position
+        assert torch.equal(routed.generate(ids, attention_mask=mask, **GREEDY), tokens)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize('experts', ['eager', 'grouped_mm', 'batched_mm'])
+def test_seqtopk_selects_what_router_seqtopk_mask_selects_in_every_experts_implementation(
+        model, experts):
+    """Per row, on its real tokens, T·K in all, 1 to K + 2 each; the experts get exactly that
+    (padded slots at weight 0), and every implementation gives eager's logits."""
+    ids, mask = left_padded()
+    model.set_experts_implementation('eager')
+    with hf.routed(model, 'seqtopk', online=False) as routed:
+        routed.seqmoe.record = []
+        eager = routed(ids, attention_mask=mask).logits
+        model.set_experts_implementation(experts)
+        seen, handles = experts_received(routed)
+        logits = routed(ids, attention_mask=mask).logits
+        for h in handles:
+            h.remove()
+        record = routed.seqmoe.record[len(routed.seqmoe.blocks):]
+    model.set_experts_implementation('eager')
+    assert torch.allclose(logits, eager, atol=1e-5) and logits.isfinite().all()
+    K, real = model.config.num_experts_per_tok, mask.bool()
+    for (_, scores, selected), given in zip(record, seen, strict=True):
+        assert torch.equal(given, selected.flatten(0, 1))
+        assert not selected[~real].any()  # pad tokens spend no budget
+        for b in range(len(ids)):
+            row = selected[b, real[b]]  # (t, N)
+            assert torch.equal(row, seqtopk_mask(scores[b, real[b]][None], K)[0])
+            assert row.sum() == K * len(row) and row.sum(-1).min() >= 1
+            assert row.sum(-1).max() <= K + 2
+
+
+def routing_per_layer(record, layers):
+    """The recorded masks of a generation (its forwards in turn) joined along T per layer."""
+    return [torch.cat([mask for layer, _, mask in record if layer == i], dim=1)
+            for i in range(layers)]
+
+
+@torch.no_grad()
+def test_cached_generate_with_seqtopk_equals_the_causal_recomputation(model):
+    """Token for token and expert for expert, with left padding: the KV cache's steps route by
+    Eq. 7 against each row's Expert Cache; recomputed, the online rule over the whole prefix."""
+    ids, mask = left_padded()
+    with hf.routed(model, 'seqtopk') as routed:
+        routed.seqmoe.record = []
+        tokens = routed.generate(ids, attention_mask=mask, **GREEDY)
+        cached = routing_per_layer(routed.seqmoe.record, len(routed.seqmoe.blocks))
+        assert torch.equal(routed.generate(ids, attention_mask=mask, use_cache=False, **GREEDY),
+                           tokens)
+        routed.seqmoe.record = []
+        full = torch.cat([mask, torch.ones_like(tokens[:, ids.shape[1]:-1])], dim=1)
+        routed(tokens[:, :-1], attention_mask=full)  # the prefix at once, without a cache
+        recomputed = routing_per_layer(routed.seqmoe.record, len(routed.seqmoe.blocks))
+        real = full.bool()
+        for c, r in zip(cached, recomputed, strict=True):
+            assert torch.equal(c[real], r[real]) and not c[~real].any()
+        _, scores, selected = routed.seqmoe.record[0]  # layer 0: the rule on its own scores
+        assert torch.equal(selected[0], online_seqtopk_mask(scores[:1], 2)[0][0])
+
+
+@torch.no_grad()
+def test_unrouting_restores_the_logits_bit_for_bit(model):
+    ids, mask = left_padded()
+    before = model(ids, attention_mask=mask).logits
+    routed = hf.route(model, 'seqtopk', top_k=1, seq_max_k=8)
+    assert not torch.equal(routed(ids, attention_mask=mask).logits, before)
+    assert hf.unroute(routed) is model and 'generate' not in vars(model)
+    assert torch.equal(model(ids, attention_mask=mask).logits, before)
+    with pytest.raises(ValueError, match='beams'), hf.routed(model, 'seqtopk'):
+        model.generate(ids, attention_mask=mask, num_beams=2, **GREEDY)
+    assert not hasattr(model, 'seqmoe')  # the context undid it, even on an error
+
+
+def test_the_adapter_takes_its_rules_from_router_py(model, monkeypatch):
+    """No second top-T·K: the selection is router.py's functions' (replaced here by spies)."""
+    calls = []
+    for name in ('seqtopk_mask', 'online_seqtopk_mask'):
+        rule = getattr(hf, name)
+        monkeypatch.setattr(hf, name, lambda *a, rule=rule, **kw: calls.append(rule) or
+                            rule(*a, **kw))
+    ids, mask = left_padded()
+    for online in (False, True):
+        with torch.no_grad(), hf.routed(model, 'seqtopk', online=online):
+            model(ids, attention_mask=mask)
+    assert calls.count(seqtopk_mask) == calls.count(online_seqtopk_mask) == 3 * 2  # rows x layers
+
+
+def test_a_model_that_is_not_a_softmax_top_k_moe_is_refused_in_one_line(tmp_path):
+    config = transformers.LlamaConfig(**{k: v for k, v in SHAPES.items()
+                                         if k != 'num_experts_per_tok'})
+    with pytest.raises(ValueError, match='OLMoE.*Mixtral.*not llama'):
+        hf.route(transformers.AutoModelForCausalLM.from_config(config))
