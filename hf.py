@@ -21,7 +21,8 @@ from router import (expert_cache_rows, online_seqtopk_mask, routing_weights, seq
 try:
     import transformers
 except ImportError:
-    raise SystemExit("error: hf.py needs transformers (5.x): pip install 'transformers>=5.1,<6'")
+    raise SystemExit("error: hf.py needs transformers 5: pip install 'transformers>=5,<6'")
+VERSION = tuple(int(v) for v in transformers.__version__.split('.')[:2])
 
 # the families whose gate returns (logits, weights, index) of a softmax top-K, tested here
 FAMILIES = dict(olmoe='OLMoE', qwen2_moe='Qwen2-MoE (Qwen1.5-MoE)', mixtral='Mixtral')
@@ -68,7 +69,9 @@ class Routing:
     def gate_hook(self, layer):
         def hook(gate, args, output):
             logits, weights, _ = output
-            scores = logits.float().softmax(-1).view(self.B, self.T, -1)  # (B, T, N), as the gate
+            # (B, T, N), as the gate: softmax in fp32 (before 5.6 the gate returns it first)
+            scores = (logits.float() if VERSION < (5, 6) else logits.float().softmax(-1))
+            scores = scores.view(self.B, self.T, -1)
             mask = self.select(layer, scores)  # (B, T, N)
             if self.record is not None:
                 self.record.append((layer, scores, mask))
@@ -117,6 +120,9 @@ def route(model, router='seqtopk', top_k=0, seq_min_k=1, seq_max_k=0, seq_budget
           online=True):
     """The model (a transformers MoE causal LM), routed by `router` at top_k (0: the model's
     K) with seqmoe's settings; hf.unroute(model) undoes it. Its generate refuses beams."""
+    if VERSION < (5, 0):  # 4.x: each family's own block, its gate a linear layer
+        raise ValueError(f"hf.py needs transformers 5 (this is {transformers.__version__}): "
+                         f"pip install 'transformers>=5,<6'")
     model_type = getattr(model.config, 'model_type', type(model).__name__)
     if model_type not in FAMILIES:
         raise ValueError(f"seqmoe routes {', '.join(FAMILIES.values())} (softmax top-K "

@@ -6,8 +6,8 @@ routed as the model routes, by seqtopk, in generate, and undone.
 import pytest
 import torch
 
-transformers = pytest.importorskip('transformers', reason="hf.py needs transformers "
-                                   "(pip install -r requirements.txt)")
+transformers = pytest.importorskip('transformers', minversion='5.0', reason="hf.py needs "
+                                   "transformers 5 (pip install -r requirements.txt)")
 import hf  # noqa: E402
 from router import online_seqtopk_mask, seqtopk_mask  # noqa: E402
 
@@ -17,7 +17,7 @@ SHAPES = dict(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_la
 CONFIGS = dict(olmoe=lambda: transformers.OlmoeConfig(num_experts=8, **SHAPES),
                qwen2_moe=lambda: transformers.Qwen2MoeConfig(
                    num_experts=8, moe_intermediate_size=32, shared_expert_intermediate_size=32,
-                   **SHAPES),
+                   norm_topk_prob=True, **SHAPES),  # renormalised: the flag followed
                mixtral=lambda: transformers.MixtralConfig(num_local_experts=8, **SHAPES))
 GREEDY = dict(max_new_tokens=6, do_sample=False)
 
@@ -47,6 +47,7 @@ def experts_received(model):
 
     def hook(experts, args):
         _, index, weights = args
+        assert index.min() >= 0 and index.max() < experts.num_experts  # no skipped index
         given = torch.zeros(index.shape[0], experts.num_experts, dtype=torch.long)
         seen.append(given.scatter_add_(-1, index, (weights > 0).long()) > 0)  # 0: padding
     return seen, [b.experts.register_forward_pre_hook(hook) for b in model.seqmoe.blocks]
@@ -63,8 +64,15 @@ def test_topk_at_the_models_own_k_gives_its_logits_and_generate_tokens(model):
         assert torch.equal(routed.generate(ids, attention_mask=mask, **GREEDY), tokens)
 
 
+@pytest.fixture(params=['eager', 'grouped_mm', 'batched_mm'])
+def experts(request, model):
+    """An experts implementation; the model's own (from_pretrained's) again after."""
+    own = model.config._experts_implementation
+    yield request.param
+    model.set_experts_implementation(own)
+
+
 @torch.no_grad()
-@pytest.mark.parametrize('experts', ['eager', 'grouped_mm', 'batched_mm'])
 def test_seqtopk_selects_what_router_seqtopk_mask_selects_in_every_experts_implementation(
         model, experts):
     """Per row, on its real tokens, T·K in all, 1 to K + 2 each; the experts get exactly that
@@ -76,11 +84,12 @@ def test_seqtopk_selects_what_router_seqtopk_mask_selects_in_every_experts_imple
         eager = routed(ids, attention_mask=mask).logits
         model.set_experts_implementation(experts)
         seen, handles = experts_received(routed)
-        logits = routed(ids, attention_mask=mask).logits
-        for h in handles:
-            h.remove()
+        try:
+            logits = routed(ids, attention_mask=mask).logits
+        finally:
+            for h in handles:
+                h.remove()
         record = routed.seqmoe.record[len(routed.seqmoe.blocks):]
-    model.set_experts_implementation('eager')
     assert torch.allclose(logits, eager, atol=1e-5) and logits.isfinite().all()
     K, real = model.config.num_experts_per_tok, mask.bool()
     for (_, scores, selected), given in zip(record, seen, strict=True):
