@@ -161,3 +161,14 @@ def routed(model, *args, **kwargs):
     finally:
         if hasattr(model, 'seqmoe'):
             unroute(model)
+
+
+def from_pretrained(name, dtype=torch.float32):
+    """A causal LM (eval mode) and its tokenizer, from the hub or a local folder."""
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(name)
+        model = transformers.AutoModelForCausalLM.from_pretrained(name, dtype=dtype)
+    except (OSError, ValueError) as e:  # not found, offline, not a causal LM: one line
+        reason = (str(e).strip().splitlines() or [''])[0][:200]
+        raise ValueError(f"could not load {name} ({type(e).__name__}: {reason})") from None
+    return model.eval(), tokenizer

@@ -3,12 +3,19 @@ hf.py, seqmoe's routers on Hugging Face MoE models: tiny OLMoE, Qwen2-MoE and Mi
 layers, 8 experts, top 2) built from a config, saved and loaded by from_pretrained (offline), each
 routed as the model routes, by seqtopk, in generate, and undone.
 """
+import json
+import os
+import runpy
+import sys
+
 import pytest
 import torch
+from torch.nn import functional as F
 
 transformers = pytest.importorskip('transformers', minversion='5.0', reason="hf.py needs "
                                    "transformers 5 (pip install -r requirements.txt)")
 import hf  # noqa: E402
+from conftest import REPO  # noqa: E402
 from router import online_seqtopk_mask, seqtopk_mask  # noqa: E402
 
 SHAPES = dict(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
@@ -162,3 +169,51 @@ def test_a_model_that_is_not_a_softmax_top_k_moe_is_refused_in_one_line(tmp_path
                                          if k != 'num_experts_per_tok'})
     with pytest.raises(ValueError, match='OLMoE.*Mixtral.*not llama'):
         hf.route(transformers.AutoModelForCausalLM.from_config(config))
+
+
+@pytest.fixture(scope='module')
+def olmoe_folder(tmp_path_factory):
+    """A tiny OLMoE with a character tokenizer, and a text of its characters."""
+    from tokenizers import Tokenizer, models
+    folder, chars = tmp_path_factory.mktemp('olmoe'), 'abcdefghijklmnopqrstuvwxyz .,\n'
+    vocab = {t: i for i, t in enumerate(['<pad>', '<s>', '<unk>', *chars])}
+    transformers.PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.BPE(vocab, [], unk_token='<unk>')), pad_token='<pad>',
+        bos_token='<s>', unk_token='<unk>').save_pretrained(folder)
+    tiny_model('olmoe', folder)
+    picks = torch.randint(len(chars), (3000,), generator=torch.Generator().manual_seed(0))
+    (folder / 'text.txt').write_text(''.join(chars[i] for i in picks))
+    return folder
+
+
+def hf_eval(*args, monkeypatch):
+    """python hf_eval.py args, in this process (transformers imported once)."""
+    monkeypatch.setattr(sys, 'argv', ['hf_eval.py', *args])
+    runpy.run_path(os.path.join(REPO, 'hf_eval.py'), run_name='__main__')
+
+
+def test_the_script_writes_its_table_and_figure_and_samples_with_the_expert_cache(
+        olmoe_folder, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    text = olmoe_folder / 'text.txt'
+    hf_eval(f'--model={olmoe_folder}', f'--text={text}', '--block_size=16', '--batch_size=2',
+            '--batches=3', monkeypatch=monkeypatch)
+    rows = [line.split(' | ') for line in (tmp_path / 'out-hf' / 'table.md').read_text()
+            .splitlines() if line.startswith(('| 2 |', '| 1 |'))]
+    assert [r[1] for r in rows] == ['topk', 'seqtopk offline', 'seqtopk causal'] * 2
+    assert all(r[-1].strip(' |') == '' if r[1] == 'topk' else '[' in r[-1] for r in rows)
+    lm, tokenizer = hf.from_pretrained(str(olmoe_folder))  # topk at K: the model's own CE
+    ids = torch.tensor(tokenizer(text.read_text())['input_ids'][:3 * 2 * 17]).view(3, 2, 17)
+    with torch.no_grad():
+        own = [F.cross_entropy(lm(b[:, :-1]).logits.flatten(0, 1), b[:, 1:].flatten())
+               for b in ids]
+    assert float(rows[0][3]) == pytest.approx(torch.stack(own).mean().item(), abs=1e-4)
+    assert (tmp_path / 'out-hf' / 'fig1a.png').stat().st_size > 0
+    drops = json.loads((tmp_path / 'out-hf' / 'fig1a.json').read_text())
+    assert {len(d) for d in drops.values()} == {3 * 2 * 16}  # every token, K=2 to 1
+    hf_eval(f'--model={olmoe_folder}', '--mode=sample', '--start=the', '--max_new_tokens=4',
+            monkeypatch=monkeypatch)
+    assert '[seqtopk K=2 with the Expert Cache: experts per generated token' in \
+        capsys.readouterr().out
+    with pytest.raises(SystemExit, match='^error: could not load'):
+        hf_eval(f'--model={tmp_path}/none', monkeypatch=monkeypatch)
