@@ -16,7 +16,7 @@ transformers = pytest.importorskip('transformers', minversion='5.0', reason="hf.
                                    "transformers 5 (pip install -r requirements.txt)")
 import hf  # noqa: E402
 from conftest import REPO  # noqa: E402
-from router import online_seqtopk_mask, seqtopk_mask  # noqa: E402
+from router import expert_cache_rows, online_seqtopk_mask, seqtopk_mask  # noqa: E402
 
 SHAPES = dict(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, num_experts_per_tok=2,
@@ -135,6 +135,24 @@ def test_cached_generate_with_seqtopk_equals_the_causal_recomputation(model):
             assert torch.equal(c[real], r[real]) and not c[~real].any()
         _, scores, selected = routed.seqmoe.record[0]  # layer 0: the rule on its own scores
         assert torch.equal(selected[0], online_seqtopk_mask(scores[:1], 2)[0][0])
+
+
+@torch.no_grad()
+def test_a_prompt_routed_jointly_then_each_new_token_by_eq7_against_its_rows(model):
+    """online=False in generate: the prompt by Eq. 5 per row (sample.py's 'joint'), then each
+    step by Eq. 7 after its Expert Cache rows and spend (the strict budget reads the spend)."""
+    ids, mask = left_padded()
+    K, real = model.config.num_experts_per_tok, mask.bool()
+    with hf.routed(model, 'seqtopk', online=False, seq_budget='strict') as routed:
+        routed.seqmoe.record, layers = (record := []), len(routed.seqmoe.blocks)
+        routed.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False)
+    for (_, prompt, joint), (_, step, taken) in zip(record[:layers], record[layers:], strict=True):
+        for b in range(len(ids)):
+            s = prompt[b, real[b]][None]  # (1, t, N)
+            assert torch.equal(joint[b, real[b]], seqtopk_mask(s, K)[0])
+            rows, spent = expert_cache_rows(s, 1, K + 2), joint[b].sum()[None]
+            assert torch.equal(taken[b], online_seqtopk_mask(step[b][None], K, 1, K + 2, True,
+                                                             rows, spent)[0][0])
 
 
 @torch.no_grad()
