@@ -8,10 +8,10 @@ The paper's training-free measurements on a Hugging Face MoE model (hf.py), and 
 table: the val CE of topk and seqtopk at K, K/2 and K/4 (the model's K first), seqtopk offline
 (Eq. 5) and causal (Eq. 7, as generate routes), each paired by batch with topk at its K (the mean
 difference and its 95% t-interval over the batches, as experiments/analyze.py reports seeds).
-Fig. 1a: how much each token's probability of the next token drops when K is halved (topk at K/2,
-and seqtopk at K/2), a histogram. sample: greedy text after --start, seqtopk at --top_k in generate
-with the Expert Cache. Text: a prepare.py dataset (data/NAME), a local text file, or a `datasets`
-dataset (a hub name or a local file) whose validation split (or held-out 10%) is read.
+Fig. 1a: how much each token's probability of the next token changes when K drops to 3K/4 or K/2
+(topk; and seqtopk at K/2), a histogram. sample: greedy text after --start, seqtopk at --top_k
+in generate with the Expert Cache. Text: a prepare.py dataset (data/NAME), a local text file, or
+a `datasets` dataset (a hub name or a local file) whose validation split (or held-out 10%) is read.
 """
 import contextlib
 import io
@@ -107,23 +107,24 @@ def table(ks, ce, spend):
     return out.getvalue()
 
 
-def fig1a(prob, k, path):
-    """Fig. 1a: each token's drop in p(next token) from topk at K to K/2 (and seqtopk at K/2)."""
+def fig1a(prob, names, path):
+    """Fig. 1a: each token's |change| in p(next token) from topk at K (names[0]) to each other
+    way (topk at 3K/4 and K/2, seqtopk at K/2), a histogram per way."""
     import matplotlib
     matplotlib.use('Agg')  # files only
     from experiments.plot import figure, finish, save_figure
-    fig, ax = figure(f"p(next token) at K={k} minus at K={k // 2}", "drop in probability",
-                     "share of tokens")
-    drops, lines = {}, []
-    for name in (f"topk K={k // 2}", f"seqtopk offline K={k // 2}"):
-        drop = (prob[f"topk K={k}"] - prob[name]).numpy()
-        drops[name] = drop.tolist()
-        ax.hist(drop, bins=40, range=(-1, 1), weights=np.full(len(drop), 1 / len(drop)),
-                alpha=0.6, label=name)
-        lines.append(f"{name}: {np.mean(drop <= 0.05):.0%} of tokens drop at most 0.05, "
-                     f"{np.mean(drop > 0.5):.0%} more than 0.5")
+    fig, ax = figure(f"Fig. 1a: p(next token) routed otherwise than {names[0]}",
+                     "|change in probability|", "share of tokens")
+    changes, lines = {}, []
+    for name in names[1:]:
+        change = (prob[names[0]] - prob[name]).abs().numpy()
+        changes[name] = change.tolist()
+        ax.hist(change, bins=40, range=(0, 1), weights=np.full(len(change), 1 / len(change)),
+                alpha=0.5, label=name)
+        lines.append(f"{name}: {np.mean(change <= 0.05):.0%} of tokens change by at most 0.05, "
+                     f"{np.mean(change > 0.5):.0%} by more than 0.5")
     print(f"wrote {save_figure(finish(fig, ax), os.path.dirname(path), os.path.basename(path))}")
-    json.dump(drops, open(path.replace('.png', '.json'), 'w'))
+    json.dump(changes, open(path.replace('.png', '.json'), 'w'))
     return '\n'.join(lines)
 
 
@@ -158,19 +159,18 @@ def main():
     except ValueError as e:
         fail(e)
     K = lm.config.num_experts_per_tok
-    ks = [k for k in dict.fromkeys((K, K // 2, K // 4)) if k >= 1]
-    if mode == 'fig1a':  # only the forwards the figure reads
-        ks, ways = ks[:2], [(f"topk K={K}", 'topk', K, False),
-                            (f"topk K={K // 2}", 'topk', K // 2, False),
-                            (f"seqtopk offline K={K // 2}", 'seqtopk', K // 2, False)]
-    else:
-        ways = [way for k in ks for way in ((f"topk K={k}", 'topk', k, False),
-                                            (f"seqtopk offline K={k}", 'seqtopk', k, False),
-                                            (f"seqtopk causal K={k}", 'seqtopk', k, True))]
+    ks = [k for k in dict.fromkeys((K, K // 2, K // 4)) if k >= 1]  # the table's
+    kinds = (('topk', 'topk', False), ('seqtopk offline', 'seqtopk', False),
+             ('seqtopk causal', 'seqtopk', True))
+    ways = {f"{name} K={k}": (router, k, online) for k in ks for name, router, online in kinds
+            if mode == 'table'}
+    figure = [f"topk K={k}" for k in dict.fromkeys((K, 3 * K // 4, K // 2)) if k >= 1] + [
+        f"seqtopk offline K={K // 2}"] * (K > 1)  # Fig. 1a's: topk at K first
+    ways |= {name: (name.split()[0], int(name.split('=')[1]), False) for name in figure}
     need = batches * batch_size * (block_size + 1)  # tokens; a token is at least a character
     ids = tokenizer(validation_text(text, text_column)[:need * 20])['input_ids']
     batch_list = sequences(ids, batches)
-    ce, spend, prob = measure(lm, batch_list, ways, dev)
+    ce, spend, prob = measure(lm, batch_list, [(name, *way) for name, way in ways.items()], dev)
     os.makedirs(out_dir, exist_ok=True)
     report = table(ks, ce, spend) + (
         f"\n{model}, {len(batch_list)} batches of {batch_size} x {block_size} tokens of "
@@ -178,8 +178,8 @@ def main():
     if mode == 'table':
         print(report, end='')
         open(os.path.join(out_dir, 'table.md'), 'w').write(report)
-    if len(ks) > 1:
-        print(fig1a(prob, K, os.path.join(out_dir, 'fig1a.png')))
+    if K > 1:
+        print(fig1a(prob, figure, os.path.join(out_dir, 'fig1a.png')))
 
 
 if __name__ == '__main__':
