@@ -127,8 +127,9 @@ def route(model, router='seqtopk', top_k=0, seq_min_k=1, seq_max_k=0, seq_budget
     if model_type not in FAMILIES:
         raise ValueError(f"seqmoe routes {', '.join(FAMILIES.values())} (softmax top-K "
                          f"routers), not {model_type}")
-    if router not in ROUTERS:
-        raise ValueError(f"router must be one of {', '.join(ROUTERS)}, not {router}")
+    if router not in ROUTERS or seq_budget not in ('plain', 'strict'):
+        raise ValueError(f"router must be one of {', '.join(ROUTERS)} (not {router}) and "
+                         f"seq_budget 'plain' or 'strict' (not {seq_budget})")
     if hasattr(model, 'seqmoe'):
         raise ValueError("the model is already routed by seqmoe: hf.unroute(model) first")
     model.seqmoe = Routing(model, router, top_k, seq_min_k, seq_max_k, seq_budget, online)
