@@ -82,11 +82,13 @@ def experts(request, model):
 @torch.no_grad()
 def test_seqtopk_selects_what_router_seqtopk_mask_selects_in_every_experts_implementation(
         model, experts):
-    """Per row, on its real tokens, T·K in all, 1 to K + 2 each; the experts get exactly that
-    (padded slots at weight 0), and every implementation gives eager's logits."""
+    """At a K not the model's (3 of 8; its own is 2) and bounds 2..5: per row, on its real
+    tokens, T·K in all, 2 to 5 each; the experts get exactly that (padded slots at weight 0), and
+    every implementation gives eager's logits."""
     ids, mask = left_padded()
     model.set_experts_implementation('eager')
-    with hf.routed(model, 'seqtopk', online=False) as routed:
+    settings = dict(top_k=3, seq_min_k=2, seq_max_k=5, online=False)
+    with hf.routed(model, 'seqtopk', **settings) as routed:
         routed.seqmoe.record = []
         eager = routed(ids, attention_mask=mask).logits
         model.set_experts_implementation(experts)
@@ -98,15 +100,15 @@ def test_seqtopk_selects_what_router_seqtopk_mask_selects_in_every_experts_imple
                 h.remove()
         record = routed.seqmoe.record[len(routed.seqmoe.blocks):]
     assert torch.allclose(logits, eager, atol=1e-5) and logits.isfinite().all()
-    K, real = model.config.num_experts_per_tok, mask.bool()
+    real = mask.bool()
     for (_, scores, selected), given in zip(record, seen, strict=True):
         assert torch.equal(given, selected.flatten(0, 1))
         assert not selected[~real].any()  # pad tokens spend no budget
         for b in range(len(ids)):
             row = selected[b, real[b]]  # (t, N)
-            assert torch.equal(row, seqtopk_mask(scores[b, real[b]][None], K)[0])
-            assert row.sum() == K * len(row) and row.sum(-1).min() >= 1
-            assert row.sum(-1).max() <= K + 2
+            assert torch.equal(row, seqtopk_mask(scores[b, real[b]][None], 3, 2, 5)[0])
+            assert row.sum() == 3 * len(row) and row.sum(-1).min() >= 2
+            assert row.sum(-1).max() <= 5
 
 
 def routing_per_layer(record, layers):
