@@ -29,10 +29,12 @@ CONFIGS = dict(olmoe=lambda: transformers.OlmoeConfig(num_experts=8, **SHAPES),
 GREEDY = dict(max_new_tokens=6, do_sample=False)
 
 
-def tiny_model(family, folder):
+def tiny_model(family, folder, **settings):
     """A random tiny model of the family, saved and loaded again: the real loading path."""
     torch.manual_seed(0)
-    transformers.AutoModelForCausalLM.from_config(CONFIGS[family]()).save_pretrained(folder)
+    config = CONFIGS[family]()
+    config.update(settings)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
     return transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
 
 
@@ -200,7 +202,7 @@ def olmoe_folder(tmp_path_factory):
     transformers.PreTrainedTokenizerFast(
         tokenizer_object=Tokenizer(models.BPE(vocab, [], unk_token='<unk>')), pad_token='<pad>',
         bos_token='<s>', unk_token='<unk>').save_pretrained(folder)
-    tiny_model('olmoe', folder)
+    tiny_model('olmoe', folder, initializer_range=0.5)  # far from uniform: CE reads the targets
     picks = torch.randint(len(chars), (3000,), generator=torch.Generator().manual_seed(0))
     (folder / 'text.txt').write_text(''.join(chars[i] for i in picks))
     return folder
@@ -222,18 +224,34 @@ def test_the_script_writes_its_table_and_figure_and_samples_with_the_expert_cach
             .splitlines() if line.startswith(('| 2 |', '| 1 |'))]
     assert [r[1] for r in rows] == ['topk', 'seqtopk offline', 'seqtopk causal'] * 2
     assert all(r[-1].strip(' |') == '' if r[1] == 'topk' else '[' in r[-1] for r in rows)
-    lm, tokenizer = hf.from_pretrained(str(olmoe_folder))  # topk at K: the model's own CE
+    for topk, *seqtopk in (rows[:3], rows[3:]):  # Δ: the mean over batches of CE - topk's CE
+        for row in seqtopk:
+            delta = float(row[-1].split()[0])
+            assert delta == pytest.approx(float(row[3]) - float(topk[3]), abs=2e-4)
+    assert abs(float(rows[2][-1].split()[0])) > 1e-3  # a difference there to see
+    lm, tokenizer = hf.from_pretrained(str(olmoe_folder))
     ids = torch.tensor(tokenizer(text.read_text())['input_ids'][:3 * 2 * 17]).view(3, 2, 17)
+
+    def ce(model):  # the mean CE of the same batches
+        return torch.stack([F.cross_entropy(model(b[:, :-1]).logits.flatten(0, 1),
+                                            b[:, 1:].flatten()) for b in ids]).mean().item()
     with torch.no_grad():
-        own = [F.cross_entropy(lm(b[:, :-1]).logits.flatten(0, 1), b[:, 1:].flatten())
-               for b in ids]
-    assert float(rows[0][3]) == pytest.approx(torch.stack(own).mean().item(), abs=1e-4)
+        assert float(rows[0][3]) == pytest.approx(ce(lm), abs=1e-4)  # topk at K: the model's
+        with hf.routed(lm, 'seqtopk') as routed:  # causal: the online rule
+            assert float(rows[2][3]) == pytest.approx(ce(routed), abs=1e-4)
     assert (tmp_path / 'out-hf' / 'fig1a.png').stat().st_size > 0
     drops = json.loads((tmp_path / 'out-hf' / 'fig1a.json').read_text())
     assert {len(d) for d in drops.values()} == {3 * 2 * 16}  # every token, K=2 to 1
-    hf_eval(f'--model={olmoe_folder}', '--mode=sample', '--start=the', '--max_new_tokens=4',
+    hf_eval(f'--model={olmoe_folder}', '--mode=sample', '--start=the', '--max_new_tokens=8',
             monkeypatch=monkeypatch)
-    assert '[seqtopk K=2 with the Expert Cache: experts per generated token' in \
-        capsys.readouterr().out
+    with torch.no_grad(), hf.routed(lm, 'seqtopk') as routed:  # the same, here
+        routed.seqmoe.record = []
+        routed.generate(**tokenizer('the', return_tensors='pt'), max_new_tokens=8,
+                        do_sample=False)
+        steps = torch.cat([m.sum(-1).flatten() for *_, m in routed.seqmoe.record[2:]]).float()
+    assert steps.min() < steps.max()  # seqtopk's, not topk's 2 each
+    assert (f"[seqtopk K=2 with the Expert Cache: experts per generated token and layer: mean "
+            f"{steps.mean():.2f}, min {int(steps.min())}, max {int(steps.max())}]"
+            in capsys.readouterr().out)
     with pytest.raises(SystemExit, match='^error: could not load'):
         hf_eval(f'--model={tmp_path}/none', monkeypatch=monkeypatch)
