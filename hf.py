@@ -157,11 +157,11 @@ def unroute(model):
 @contextmanager
 def routed(model, *args, **kwargs):
     """with hf.routed(model, 'seqtopk', top_k=4) as model: ... (unrouted after)."""
+    route(model, *args, **kwargs)
     try:
-        yield route(model, *args, **kwargs)
+        yield model
     finally:
-        if hasattr(model, 'seqmoe'):
-            unroute(model)
+        unroute(model)
 
 
 def from_pretrained(name, dtype=torch.float32):
