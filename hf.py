@@ -96,7 +96,7 @@ class Routing:
                            expert_cache_rows(s, self.min_k, self.max_k))
             spent = m.sum((1, 2))
             self.expert_cache[layer][b] = ((rows, spent) if past[0] is None else
-                                      (torch.cat([past[0], rows], 1), past[1] + spent))
+                                           (torch.cat([past[0], rows], 1), past[1] + spent))
             mask[b, self.real[b]] = m[0]
         return mask
 
