@@ -98,8 +98,9 @@ def measure(lm, batch_list, ways, dev):
 def table(ks, ce, spend):
     """The markdown table: each way's CE and its paired difference from topk at its K."""
     rows = [[k, name.split(' K=')[0], f"{spend[name]:.2f}", f"{np.mean(list(c.values())):.4f}",
-             format_difference(paired_difference(c, ce[f"topk K={k}"])) if 'topk K' not in name
-             else ''] for k in ks for name, c in ce.items() if name.endswith(f" K={k}")]
+             '' if name.startswith('topk') else
+             format_difference(paired_difference(c, ce[f"topk K={k}"]))]
+            for k in ks for name, c in ce.items() if name.endswith(f" K={k}")]
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         markdown(['K', 'routing', 'experts/token', 'val CE', 'Δ vs topk at K, paired by batch '
