@@ -255,3 +255,13 @@ def test_the_script_writes_its_table_and_figure_and_samples_with_the_expert_cach
             in capsys.readouterr().out)
     with pytest.raises(SystemExit, match='^error: could not load'):
         hf_eval(f'--model={tmp_path}/none', monkeypatch=monkeypatch)
+
+
+def test_the_script_reads_a_prepare_py_dataset_as_text(olmoe_folder, prepared, tmp_path,
+                                                       monkeypatch):
+    monkeypatch.chdir(prepared)  # its data/shakespeare_char, decoded, then the model's tokens
+    hf_eval(f'--model={olmoe_folder}', '--mode=fig1a', '--block_size=16', '--batch_size=2',
+            '--batches=2', f'--out_dir={tmp_path}', monkeypatch=monkeypatch)
+    changes = json.loads((tmp_path / 'fig1a.json').read_text())
+    assert list(changes) == ['topk K=1', 'seqtopk offline K=1']
+    assert {len(c) for c in changes.values()} == {2 * 2 * 16}
