@@ -15,7 +15,6 @@ import torch
 from torch.nn import functional as F
 
 from model import MoE
-from router import BatchTopK, MRLTopK, SeqTopK, TopK
 
 
 def paths(model, moe_impl='grouped', experts=None):
@@ -71,25 +70,18 @@ def moe_sorted(x, mask, gates, w_fc, w_proj, grouped_mm=expert_loop, n_pairs=Non
 
 
 def exact_pairs(router, n_tokens):
-    """The pairs the router's mask selects where its budget is exact: topk's k per token, offline
-    SeqTopK's and BatchTopK's top_k per token in training; else None (counted: a host sync)."""
-    kind = type(router)
-    if kind in (TopK, MRLTopK):
-        return n_tokens * router.current_k()
-    if not router.training:  # evaluation: online rules and thresholds spend what they spend
-        return None
-    # training: BatchTopK spends B*T*k; SeqTopK T*k a sequence, unless it trains by the online
-    # rule (seq_causal); WindowTopK (a subclass) adds each token's floor on top: not exact
-    if kind is BatchTopK or (kind is SeqTopK and not router.config.seq_causal):
-        return n_tokens * router.config.top_k
-    return None
+    """The pairs the router's mask selects where its budget is exact (Router.budget: topk's k per
+    token, offline SeqTopK's and BatchTopK's top_k per token in training); else None (counted: a
+    host sync)."""
+    budget = router.budget()
+    return None if budget is None else n_tokens * budget
 
 
 def static_step(model):
     """Whether the model's training step has static shapes and no host sync, so that it may run as
     CUDA graphs: each router's pairs known in advance (exact_pairs) for a k fixed over steps (not
     mrltopk's, drawn each step: a graph per draw); a dense model's too."""
-    return all(exact_pairs(r, 1) is not None and type(r) is not MRLTopK for r in model.routers())
+    return all(exact_pairs(r, 1) is not None and not r.draws_k for r in model.routers())
 
 
 def graph_step(model, device_type):
@@ -114,7 +106,8 @@ def sorted_experts(x, mask, gates, w_fc, w_proj, router, mm=None):
     """moe_sorted with the pair count where the router's budget is exact (static shapes, no host
     sync: one compiled graph of the training forward); on a GPU, k where every token takes k
     (topk: a sum with no atomics); on an H100 or H200 in bf16, torch's own grouped matmul."""
-    k = router.current_k() if x.is_cuda and type(router) in (TopK, MRLTopK) else None
+    budget = router.budget()  # k where every token takes k: the most one takes
+    k = budget if x.is_cuda and budget is not None and budget == router.most_k() else None
     if mm is None:
         mm = native_grouped_mm if native_grouped_ok(x, w_fc) else grouped_mm
     return moe_sorted(x, mask, gates, w_fc, w_proj, mm, exact_pairs(router, mask.shape[0]), k)

@@ -158,6 +158,7 @@ class Router(nn.Module):
     Cache rows (`decide`). A router says how it selects (`select`). Its buffers: its state."""
     online = False  # it has an online rule (decide): a token sees only the earlier ones
     per_step_k = False  # it trains with each step's k (draw, train.py's k_schedule)
+    draws_k = False  # that k drawn at random each step (a shape per draw)
 
     def __init__(self, config):
         super().__init__()
@@ -216,6 +217,15 @@ class Router(nn.Module):
     def current_k(self):  # experts per token now: top_k, or this training step's k
         return self.k if self.training and self.per_step_k else self.config.top_k
 
+    def budget(self):
+        """Experts per token on average where the total is known before the data, in this
+        mode (training or evaluation); None where the data decides (a threshold, an online
+        rule). Every token takes that many where most_k is the same."""
+        return None
+
+    def most_k(self):  # the most experts one token takes, in this mode (None: no bound)
+        return None
+
     @staticmethod
     def draw(k, n_layers, generator=None):  # each MoE layer's k for one training step
         return [k] * n_layers
@@ -254,10 +264,15 @@ class TopK(Router):
     def select(self, choice):
         return topk_mask(choice, self.current_k())
 
+    def budget(self):
+        return self.current_k()
+
+    most_k = budget
+
 
 class MRLTopK(TopK):
     """MRL-TopK, the paper's fine-tuning baseline: topk, each layer's k drawn each step."""
-    draw = staticmethod(mrltopk_draw)
+    draw, draws_k = staticmethod(mrltopk_draw), True
 
 
 class SeqTopK(Router):
@@ -281,6 +296,13 @@ class SeqTopK(Router):
 
     def select(self, choice):  # Eq. 5: the whole sequence at once
         return seqtopk_mask(choice, self.config.top_k, self.min_k, self.max_k)
+
+    def budget(self):  # T*k a sequence, unless it trains by the online rule
+        cfg = self.config
+        return cfg.top_k if self.training and not cfg.seq_causal else None
+
+    def most_k(self):
+        return self.max_k
 
     def decide(self, choice, past, online):
         strict, k = self.config.seq_budget == 'strict', self.config.top_k
@@ -311,6 +333,9 @@ class BatchTopK(Router):
             self.smallest_sum.add_(choice.masked_fill(~mask, float('inf')).min())
             self.smallest_count.add_(1)
         return mask
+
+    def budget(self):  # B*T*k a batch in training; evaluation: the threshold's
+        return self.config.top_k if self.training else None
 
     def needs_calibration(self):
         return not self.calibrated
@@ -350,6 +375,12 @@ class WindowTopK(SeqTopK):
 
     def select(self, choice):
         return windowtopk_mask(choice, self.config.top_k, self.config.window_floor)
+
+    def budget(self):  # each token's floor on top of the windows' T*k: not exact
+        return None
+
+    def most_k(self):  # the online rule's bound: none
+        return None
 
 
 class ReLU(Router):
