@@ -67,14 +67,14 @@ class LayerCache:
         return self.expert_cache, self.spent
 
     def append_experts(self, rows, mask):
-        """Eq. (6): the new tokens' rows (B, T, R) after the earlier ones', and the experts
-        their mask (B, T, N) gives them."""
+        """Eq. (6) after the new tokens: rows, the Expert Cache the online rule joined for
+        them (B, P + T, R), kept as it is (or their rows alone (B, T, R), joined here), and
+        the experts their mask (B, T, N) gives them."""
+        if self.expert_cache is not None and rows.shape[1] == mask.shape[1]:
+            rows = torch.cat([self.expert_cache, rows], dim=1)
         taken = mask.sum(dim=(1, 2))  # (B,)
-        if self.expert_cache is None:
-            self.expert_cache, self.spent = rows, taken
-        else:
-            self.expert_cache = torch.cat([self.expert_cache, rows], dim=1)
-            self.spent = self.spent + taken
+        self.expert_cache = rows
+        self.spent = taken if self.spent is None else self.spent + taken
 
     def reset(self):
         self.expert_cache = self.spent = None

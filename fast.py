@@ -25,10 +25,10 @@ def paths(model, moe_impl='grouped', experts=None):
         clone = copy.copy(module)
         clone._modules = {name: sharing(child) for name, child in module._modules.items()}
         return clone
-    fast, mm = sharing(model), grouped_mm if moe_impl == 'grouped' else expert_loop
+    fast = sharing(model)
     for moe in (m for m in fast.modules() if isinstance(m, MoE)):
         moe.experts = (experts(moe.router) if experts else
-                       functools.partial(sorted_experts, router=moe.router, mm=mm))
+                       functools.partial(sorted_experts, router=moe.router, moe_impl=moe_impl))
         if moe.router.online:
             moe.router.online_rule = online_seqtopk_counted
     return fast
@@ -102,14 +102,17 @@ def compiled(model, graphs):
     return step, torch.compile(model) if graphs else step
 
 
-def sorted_experts(x, mask, gates, w_fc, w_proj, router, mm=None):
+def sorted_experts(x, mask, gates, w_fc, w_proj, router, mm=None, moe_impl='grouped'):
     """moe_sorted with the pair count where the router's budget is exact (static shapes, no host
     sync: one compiled graph of the training forward); on a GPU, k where every token takes k
-    (topk: a sum with no atomics); on an H100 or H200 in bf16, torch's own grouped matmul."""
+    (topk: a sum with no atomics); the matmul mm, by default expert_matmul's for x and moe_impl."""
     budget = router.budget()  # k where every token takes k: the most one takes
     k = budget if x.is_cuda and budget is not None and budget == router.most_k() else None
     if mm is None:
-        mm = native_grouped_mm if native_grouped_ok(x, w_fc) else grouped_mm
+        capability = torch.cuda.get_device_capability(x.device) if x.is_cuda else None
+        mm = expert_matmul(x.device.type, x.dtype, capability, moe_impl)
+        if mm is native_grouped_mm and not grouped_kernel_ok(x, w_fc):  # rows not 16-byte aligned
+            mm = grouped_mm
     return moe_sorted(x, mask, gates, w_fc, w_proj, mm, exact_pairs(router, mask.shape[0]), k)
 
 
@@ -122,12 +125,15 @@ def grouped_kernel_runs(device_type, dtype, capability=None):
     return device_type == 'cuda' and dtype == torch.bfloat16 and capability[0] in (9, 10)
 
 
-def native_grouped_ok(x, w):
-    """Whether torch._grouped_mm may run with its own autograd: its kernel on capability 9.x (H100,
-    H200) in bf16. The compiler then sees the op (not seqmoe's custom one); B200's kernel gives an
-    expert without rows a weight gradient (pytorch#172439): there, and elsewhere, grouped_mm."""
-    return (x.is_cuda and grouped_kernel_ok(x, w)
-            and torch.cuda.get_device_capability(x.device)[0] == 9)
+def expert_matmul(device_type, dtype, capability=None, moe_impl='grouped'):
+    """The experts' matmul, training and evaluation: expert_loop where moe_impl='loop'; on CUDA
+    capability 9.x (H100, H200) in bf16 torch._grouped_mm with its own autograd, which the compiler
+    sees; elsewhere seqmoe's op grouped_mm: torch has no fp32 CPU kernel for compile's fake tensors,
+    and B200's kernel gives an expert without rows a weight gradient (pytorch#172439)."""
+    if moe_impl == 'loop':
+        return expert_loop
+    native = device_type == 'cuda' and dtype == torch.bfloat16 and capability[0] == 9
+    return native_grouped_mm if native else grouped_mm
 
 
 def native_grouped_mm(x, w, offs):  # torch's op and autograd

@@ -170,8 +170,8 @@ class MoE(nn.Module):
         B, T, C = x.shape
         past = cache.expert_past() if cache is not None else None  # the Expert Cache so far
         mask, gates, scores, aux_loss, rows = self.router(x, past, online)  # (B, T, N) each
-        if cache is not None and rows is not None:  # an online rule decided; the Expert Cache
-            cache.append_experts(rows, mask)  # keeps these tokens' rows (Eq. 6)
+        if cache is not None and rows is not None:  # an online rule decided: its Expert
+            cache.append_experts(rows, mask)  # Cache S, these tokens' rows in it, kept (Eq. 6)
         # the experts run in the autocast dtype (bf16 on GPUs); the router stays in fp32
         if torch.is_autocast_enabled(x.device.type):
             x = x.to(torch.get_autocast_dtype(x.device.type))

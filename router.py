@@ -85,8 +85,8 @@ def online_seqtopk_mask(scores, k, min_k=1, max_k=None, strict=False, cached=Non
     """Eq. (7) for each of T tokens (B, T, N) in turn, against the Expert Cache of the
     tokens before it: cached (B, P, R) of P earlier tokens (default none) that took
     spent (B,) experts, then the new tokens' own rows. strict: no prefix of m tokens
-    takes more than m*k. The mask (B, T, N) and the new tokens' rows (B, T, R): what the
-    Expert Cache keeps of them (Eq. 6)."""
+    takes more than m*k. The mask (B, T, N) and S (B, P + T, R), the Expert Cache after
+    them (Eq. 6): cached, then the new tokens' rows."""
     B, T, N = scores.shape
     min_k, max_k = seqtopk_bounds(k, N, min_k, max_k)
     ranked, order = scores.topk(max_k, dim=-1)  # (B, T, max_k): each token's best, best first
@@ -98,7 +98,7 @@ def online_seqtopk_mask(scores, k, min_k=1, max_k=None, strict=False, cached=Non
         taken.append(online_seqtopk_token(S[:, :m], k, min_k, spent if strict else None))
         spent = spent + taken[-1].sum(-1)
     taken = torch.stack(taken, dim=1)  # (B, T, max_k): each token's experts by rank
-    return torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, order, taken), rows
+    return torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, order, taken), S
 
 
 def batchtopk_mask(scores, k):

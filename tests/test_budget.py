@@ -47,3 +47,46 @@ def test_a_new_router_with_a_fixed_budget_trains_compiled_with_no_graph_break(wo
     explanation = torch._dynamo.explain(fast.paths(worst))(x, y)
     assert explanation.graph_break_count == 0, explanation.break_reasons
     torch.testing.assert_close(fast.paths(worst)(x, y)[1], want)  # the same loss, fast or plain
+
+
+def test_eager_decoding_keeps_the_expert_cache_the_online_rule_joined_copying_it_once(
+        monkeypatch):
+    from cache import Cache
+    model = GPT(tiny_config('seqtopk', n_layer=2)).eval()
+    cache = Cache(model.config)
+    model.decode_token(torch.randint(0, 16, (2, 6)), cache)  # the prompt, token by token
+    joined, cat = [], torch.cat
+    monkeypatch.setattr(torch, 'cat', lambda *a, **kw: joined.append(cat(*a, **kw)) or joined[-1])
+    model.decode_token(torch.randint(0, 16, (2, 1)), cache)
+    kept = [layer.expert_cache for layer in cache.layers]
+    copies = [t for t in joined if t.dim() == 3 and t.shape[:2] == (2, 7)]  # 6 rows + the new
+    assert len(copies) == len(kept) == 2 and all(any(k is t for t in copies) for k in kept)
+
+
+# -----------------------------------------------------------------------------
+# the experts' matmul, chosen for the device, dtype and capability (fast.expert_matmul)
+
+BF16, FP32 = torch.bfloat16, torch.float32
+
+
+@pytest.mark.parametrize('device,dtype,capability,impl,want', [
+    ('cuda', BF16, (9, 0), 'grouped', 'native_grouped_mm'),  # H100, H200: torch's, compiler-seen
+    ('cuda', BF16, (10, 0), 'grouped', 'grouped_mm'),  # B200: pytorch#172439
+    ('cuda', BF16, (8, 0), 'grouped', 'grouped_mm'),  # A100: no kernel, the op's loop
+    ('cuda', FP32, (9, 0), 'grouped', 'grouped_mm'),
+    ('cpu', FP32, None, 'grouped', 'grouped_mm'),  # no fp32 CPU kernel for compile's fake tensors
+    ('cpu', BF16, None, 'grouped', 'grouped_mm'),
+    ('cuda', BF16, (9, 0), 'loop', 'expert_loop'), ('cpu', FP32, None, 'loop', 'expert_loop')])
+def test_the_experts_matmul_is_torch_s_own_only_on_capability_9_in_bf16(device, dtype, capability,
+                                                                         impl, want):
+    assert fast.expert_matmul(device, dtype, capability, impl) is getattr(fast, want)
+
+
+@pytest.mark.parametrize('impl', ['grouped', 'loop'])
+def test_the_training_step_runs_the_matmul_the_chooser_gives(impl, monkeypatch):
+    asked, choose = [], fast.expert_matmul
+    monkeypatch.setattr(fast, 'expert_matmul', lambda *a: asked.append(a) or choose(*a))
+    model = fast.paths(GPT(tiny_config('topk', n_layer=1)), impl)
+    x, y = next(counting_batches())
+    model(x, y)[1].backward()
+    assert asked == [('cpu', FP32, None, impl)]
