@@ -90,3 +90,16 @@ def test_the_training_step_runs_the_matmul_the_chooser_gives(impl, monkeypatch):
     x, y = next(counting_batches())
     model(x, y)[1].backward()
     assert asked == [('cpu', FP32, None, impl)]
+
+
+def test_data_preparation_imports_no_model_and_knows_train_py_s_default_context():
+    import ast
+    import os
+
+    import prepare
+    from conftest import REPO
+    from model import GPTConfig
+    tree = ast.parse(open(os.path.join(REPO, 'prepare.py'), encoding='utf-8').read())
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)} | {
+        a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    assert 'model' not in imported and prepare.TRAIN_CONTEXT == GPTConfig.block_size
