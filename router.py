@@ -20,9 +20,8 @@ def top_entries(values, n):
     if n == 0:
         return torch.zeros_like(values, dtype=torch.bool)
     nth = values.topk(n, dim=-1, sorted=False).values.amin(-1, keepdim=True)  # (..., 1)
-    above, tied = values > nth, values == nth
-    places_left = n - above.sum(dim=-1, keepdim=True)
-    return above | (tied & (tied.cumsum(dim=-1) <= places_left))
+    above, tied = values > nth, values == nth  # the tied ones while places are left:
+    return above | (tied & (tied.cumsum(dim=-1) <= n - above.sum(dim=-1, keepdim=True)))
 
 
 def seqtopk_bounds(k, n_exp, min_k=1, max_k=None):
@@ -221,14 +220,15 @@ class Router(nn.Module):
         return False
 
     def aux_loss(self, logits, scores, mask, gates):
-        """The router z-loss, plus with balance='aux' the Switch balance loss (on the
-        scores normalised per token, for sigmoid and relu scores)."""
+        """The router z-loss, plus with balance='aux' the Switch balance loss over what a
+        token spends (scores normalised per token, for sigmoid and relu scores)."""
         cfg = self.config
         loss = cfg.z_loss_weight * logits.logsumexp(dim=-1).square().mean()
         if cfg.balance == 'aux':
             probs = scores if cfg.score_func == 'softmax' else (  # relu: a row may be 0
                 scores / scores.sum(-1, keepdim=True).clamp_min(1e-9))
-            balance = switch_balance(probs, mask, self.current_k())
+            spent = self.budget() or mask.sum(-1).float().mean()  # experts a token took
+            balance = switch_balance(probs, mask, spent)
             loss = cfg.aux_loss_weight * balance + loss
         return loss
 

@@ -103,3 +103,15 @@ def test_data_preparation_imports_no_model_and_knows_train_py_s_default_context(
     imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)} | {
         a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     assert 'model' not in imported and prepare.TRAIN_CONTEXT == GPTConfig.block_size
+
+
+def test_a_router_spending_more_than_top_k_balances_over_what_its_tokens_took():
+    # windowtopk adds each token's floor to the window's T*K: the Switch loss divides by the
+    # experts a token took (1 at an even load), not by top_k
+    layer = router.WindowTopK(tiny_config('windowtopk', z_loss_weight=0.0, aux_loss_weight=1.0))
+    logits = torch.tensor([[[5., 5, 0, 0], [0, 0, 5, 5], [0, 0, 0, 0], [0, 0, 0, 0]]])
+    scores = logits.softmax(-1)  # two sure tokens, two flat ones: the window's 8 entries go to
+    mask = layer.select(scores)  # tokens 1-3, token 4 takes its floor's one: 9 in all
+    assert mask.sum() == 9
+    want = router.switch_balance(scores, mask, 9 / 4)
+    torch.testing.assert_close(layer.aux_loss(logits, scores, mask, None), want)
