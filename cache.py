@@ -65,8 +65,7 @@ class LayerCache:
         kept (their rows alone (B, T, R): joined here); the experts their mask took."""
         if self.expert_cache is not None and S.shape[1] == mask.shape[1]:
             S = torch.cat([self.expert_cache, S], dim=1)
-        taken = mask.sum(dim=(1, 2))  # (B,)
-        self.expert_cache = S
+        self.expert_cache, taken = S, mask.sum(dim=(1, 2))  # taken (B,)
         self.spent = taken if self.spent is None else self.spent + taken
 
     def reset(self):

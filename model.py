@@ -249,8 +249,7 @@ class GPT(nn.Module):
         x = self.transformer.drop(x if self.config.rope else x + self.transformer.wpe(pos))
         aux_loss, routing = 0.0, []
         for i, block in enumerate(self.transformer.h):
-            layer_cache = cache.layers[i] if cache else None
-            x, layer_aux, layer_routing = block(x, layer_cache, online, pos)
+            x, layer_aux, layer_routing = block(x, cache.layers[i] if cache else None, online, pos)
             aux_loss = aux_loss + layer_aux
             routing += [layer_routing] if layer_routing is not None else []
         if cache is not None:  # the T tokens are in every layer's caches: the next ones

@@ -1,7 +1,7 @@
 """
-The routers of "Route Expert by Sequence, Not by Token" (SeqTopK, arXiv 2511.06494) as the paper
-writes them: scores (B, T, N) (B sequences of T tokens, N experts) to a mask (B, T, N), True where
-a token takes an expert; the gates and losses; a class per router.
+The routers of "Route Expert by Sequence, Not by Token" (SeqTopK, arXiv 2511.06494) as
+the paper writes them: scores (B, T, N) (B sequences of T tokens, N experts) to a mask
+(B, T, N), True where a token takes an expert; the gates and losses; a class per router.
 """
 import torch
 import torch.nn as nn
@@ -44,10 +44,9 @@ def seqtopk_mask(scores, k, min_k=1, max_k=None):
     min_k, max_k = seqtopk_bounds(k, N, min_k, max_k)
     ranked, order = scores.topk(max_k, dim=-1)  # (B, T, max_k): each token's best first
     floor = torch.ones_like(ranked[..., :min_k], dtype=torch.bool)  # 1. its best min_k;
-    # 2. the other T*(k - min_k) places to the best entries a token may still take, its
-    #    ranks min_k..max_k-1 (R of them); ties to the earlier token, then the better rank.
-    # The best total under the bounds: swapping an entry for a higher one of its token
-    # never lowers it, so a token's extras are a run of its ranks (tested: brute force).
+    # 2. the other T*(k - min_k) places to the best entries a token may still take (its
+    #    ranks min_k..max_k-1; ties: earlier token, better rank). Best total: a swap up within
+    #    a token never lowers it, so a token's extras are a run of its ranks (brute-forced).
     R = max_k - min_k
     extra = top_entries(ranked[..., min_k:].reshape(B, T * R), T * (k - min_k))  # (B, T*R)
     taken = torch.cat([floor, extra.view(B, T, R)], dim=-1)  # (B, T, max_k): by rank
@@ -61,10 +60,10 @@ def expert_cache_rows(scores, min_k, max_k):
 
 
 def online_seqtopk_token(S, k, min_k, spent=None):
-    """Eq. (7), online SeqTopK: token m's experts by rank (B, max_k), best first, from S (B, m, R),
-    the Expert Cache of tokens 1..m (Eq. 6), its row last. As Eq. (5) over tokens 1..m: each takes
-    its best min_k, the other m*(k - min_k) places go to the top entries of S (ties: the earlier
-    token). spent (B,), given (the strict budget): tokens 1..m take at most m*k."""
+    """Eq. (7), online SeqTopK: token m's experts by rank (B, max_k), from S (B, m, R),
+    the Expert Cache of tokens 1..m (Eq. 6), its row last. As Eq. (5) over them: each
+    takes its best min_k, the other m*(k - min_k) places go to S's top entries (ties: the
+    earlier token). spent (B,) given (strict budget): tokens 1..m take at most m*k."""
     B, m, R = S.shape
     won = top_entries(S.reshape(B, m * R), m * (k - min_k))[:, -R:]  # (B, R): token m's
     taken = torch.cat([won.new_ones(B, min_k), won], dim=-1)  # (B, max_k): by rank
@@ -73,11 +72,10 @@ def online_seqtopk_token(S, k, min_k, spent=None):
     return taken
 
 
-def online_seqtopk_mask(scores, k, min_k=1, max_k=None, strict=False, cached=None, spent=None):
-    """Eq. (7) for each of T tokens (B, T, N) in turn, against the Expert Cache of the tokens
-    before it: cached (B, P, R) of P earlier tokens (default none) that took spent (B,) experts.
-    strict: no m tokens take more than m*k. The mask (B, T, N) and S (B, P + T, R), the Expert
-    Cache after them (Eq. 6): cached, then the new tokens' rows."""
+def online_seqtopk(scores, k, min_k=1, max_k=None, strict=False, cached=None, spent=None):
+    """Eq. (7) for T tokens (B, T, N) in turn, each against the Expert Cache before it:
+    cached (B, P, R) of P earlier tokens (default none) that took spent (B,); strict: m
+    tokens take at most m*k. The mask (B, T, N), and S (B, P + T, R): cached, new rows."""
     B, T, N = scores.shape
     min_k, max_k = seqtopk_bounds(k, N, min_k, max_k)
     ranked, order = scores.topk(max_k, dim=-1)  # (B, T, max_k): each token's best first
@@ -90,6 +88,12 @@ def online_seqtopk_mask(scores, k, min_k=1, max_k=None, strict=False, cached=Non
         spent = spent + taken[-1].sum(-1)
     taken = torch.stack(taken, dim=1)  # (B, T, max_k): each token's experts by rank
     return torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, order, taken), S
+
+
+def online_seqtopk_mask(scores, k, min_k=1, max_k=None, strict=False, cached=None, spent=None):
+    """online_seqtopk's mask and, of S, the new tokens' rows (B, T, R)."""
+    mask, S = online_seqtopk(scores, k, min_k, max_k, strict, cached, spent)
+    return mask, S[:, S.shape[1] - scores.shape[1]:]
 
 
 def batchtopk_mask(scores, k):
@@ -145,8 +149,8 @@ def switch_balance(probs, mask, k):
 # the routers in the model: what each one changes of the base
 
 class Router(nn.Module):
-    """Token features (B, T, C) -> mask, gates, scores (each (B, T, N)), aux loss, the Expert
-    Cache (`decide`). A router says how it selects (`select`), what it spends (`budget`)."""
+    """Token features (B, T, C) -> mask, gates, scores (each (B, T, N)), aux loss, Expert
+    Cache S (`decide`). It says how it selects (`select`), what it spends (`budget`)."""
     online = False  # it has an online rule (decide): a token sees only the earlier ones
     per_step_k = False  # it trains with each step's k (draw, train.py's k_schedule)
     draws_k = False  # that k drawn at random each step (a shape per draw)
@@ -190,8 +194,8 @@ class Router(nn.Module):
         return mask, routing_weights(scores, mask, cfg.norm_topk_prob, self.route_scale), S
 
     def choice(self, scores):
-        """What the router ranks: the scores, plus the balancing bias (balance='bias'). A NaN
-        score (a diverging run) ranks last: every budget is still spent, the NaN loss stops it."""
+        """What the router ranks: the scores plus the balancing bias (balance='bias'). A NaN
+        score (a diverging run) ranks last: budgets are still spent; the NaN loss stops it."""
         choice = scores + self.expert_bias if self.config.balance == 'bias' else scores
         return choice.masked_fill(choice.isnan(), float('-inf'))
 
@@ -205,8 +209,8 @@ class Router(nn.Module):
         return self.k if self.training and self.per_step_k else self.config.top_k
 
     def budget(self):
-        """Experts a token on average, their total known before the data, in this mode (training
-        or evaluation); None: the data decides. Each token takes that many if it is most_k."""
+        """Experts a token on average, their total known before the data, in this mode
+        (training or evaluation); None: the data decides. Each token takes it if most_k."""
         return None
 
     def most_k(self):  # the most experts one token takes in this mode (None: no bound)
@@ -235,8 +239,7 @@ class Router(nn.Module):
     @classmethod
     @torch.no_grad()
     def after_step(cls, routers):
-        """Once per optimizer step. Loss-free balancing (DeepSeek-V3): each bias moves by
-        balance_rate toward an even load."""
+        """Per optimizer step, loss-free balancing (DeepSeek-V3): to an even load."""
         for router in routers if routers[0].config.balance == 'bias' else ():
             load = router.expert_load
             router.expert_bias.add_(router.config.balance_rate * torch.sign(load.mean() - load))
@@ -269,7 +272,7 @@ class SeqTopK(Router):
     def __init__(self, config):
         super().__init__(config)
         self.min_k, self.max_k = self.check(config)  # per-token bounds, resolved once
-        self.online_rule = online_seqtopk_mask  # fast.paths: by counting, the same masks
+        self.online_rule = online_seqtopk  # fast.paths: by counting, the same masks
 
     @staticmethod
     def check(cfg):  # its per-token bounds, checked
@@ -294,12 +297,12 @@ class SeqTopK(Router):
 
 
 class BatchTopK(Router):
-    """Training: the batch's top B*T*k, the threshold following the smallest selected score (an
-    EMA, each optimizer step); evaluation and decoding: the scores above it (not the batch's)."""
+    """Training: the batch's top B*T*k, a threshold following the smallest selected score
+    (an EMA a step); evaluation and decoding: the scores above it (never the batch's)."""
 
     def __init__(self, config):
         super().__init__(config)
-        # calibrated: 1 once a training step set threshold; smallest_*: since the last step
+        # calibrated: 1 once a step set threshold; smallest_*: since the last step
         for name in ('threshold', 'calibrated', 'smallest_sum', 'smallest_count'):
             self.register_buffer(name, torch.zeros(()))
 
@@ -325,8 +328,7 @@ class BatchTopK(Router):
         for router in routers:
             if router.smallest_count > 0:
                 decay = router.config.threshold_decay * router.calibrated
-                smallest = router.smallest_sum / router.smallest_count
-                router.threshold.copy_(decay * router.threshold + (1 - decay) * smallest)
+                router.threshold.lerp_(router.smallest_sum / router.smallest_count, 1 - decay)
                 router.calibrated.fill_(1.0)
             router.smallest_sum.zero_()
             router.smallest_count.zero_()
@@ -352,8 +354,8 @@ class WindowTopK(SeqTopK):
 
 
 class ReLU(Router):
-    """ReMoE: gates = ReLU(logits), steered to top_k experts a token on average by an L1 penalty
-    with an adaptive lambda."""
+    """ReMoE: gates = ReLU(logits), steered to top_k experts a token on average by an L1
+    penalty with an adaptive lambda."""
 
     def __init__(self, config):
         super().__init__(config)
@@ -390,7 +392,7 @@ class ReLU(Router):
             count = sum(r.active_count for r in group)
             active = sum(r.active_sum for r in group) / count.clamp_min(1)
             # ReMoE's controller (thu-ml/ReMoE, training.py): lambda x factor when the
-            # active fraction is above K/N (too dense), / factor otherwise; in [1e-12, 1e3]
+            # active fraction is above K/N (too dense), / factor else; in [1e-12, 1e3]
             factor = torch.where(active > target, cfg.relu_l1_step, 1 / cfg.relu_l1_step)
             coef = (group[0].l1_coef * factor).clamp(1e-12, 1e3)
             for router in group:
