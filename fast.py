@@ -15,7 +15,6 @@ import torch
 from torch.nn import functional as F
 
 from model import MoE
-from router import BatchTopK, MRLTopK, SeqTopK, TopK
 
 
 def paths(model, moe_impl='grouped', experts=None):
@@ -26,10 +25,10 @@ def paths(model, moe_impl='grouped', experts=None):
         clone = copy.copy(module)
         clone._modules = {name: sharing(child) for name, child in module._modules.items()}
         return clone
-    fast, mm = sharing(model), grouped_mm if moe_impl == 'grouped' else expert_loop
+    fast = sharing(model)
     for moe in (m for m in fast.modules() if isinstance(m, MoE)):
         moe.experts = (experts(moe.router) if experts else
-                       functools.partial(sorted_experts, router=moe.router, mm=mm))
+                       functools.partial(sorted_experts, router=moe.router, moe_impl=moe_impl))
         if moe.router.online:
             moe.router.online_rule = online_seqtopk_counted
     return fast
@@ -71,25 +70,18 @@ def moe_sorted(x, mask, gates, w_fc, w_proj, grouped_mm=expert_loop, n_pairs=Non
 
 
 def exact_pairs(router, n_tokens):
-    """The pairs the router's mask selects where its budget is exact: topk's k per token, offline
-    SeqTopK's and BatchTopK's top_k per token in training; else None (counted: a host sync)."""
-    kind = type(router)
-    if kind in (TopK, MRLTopK):
-        return n_tokens * router.current_k()
-    if not router.training:  # evaluation: online rules and thresholds spend what they spend
-        return None
-    # training: BatchTopK spends B*T*k; SeqTopK T*k a sequence, unless it trains by the online
-    # rule (seq_causal); WindowTopK (a subclass) adds each token's floor on top: not exact
-    if kind is BatchTopK or (kind is SeqTopK and not router.config.seq_causal):
-        return n_tokens * router.config.top_k
-    return None
+    """The pairs the router's mask selects where its budget is exact (Router.budget: topk's k per
+    token, offline SeqTopK's and BatchTopK's top_k per token in training); else None (counted: a
+    host sync)."""
+    budget = router.budget()
+    return None if budget is None else n_tokens * budget
 
 
 def static_step(model):
     """Whether the model's training step has static shapes and no host sync, so that it may run as
     CUDA graphs: each router's pairs known in advance (exact_pairs) for a k fixed over steps (not
     mrltopk's, drawn each step: a graph per draw); a dense model's too."""
-    return all(exact_pairs(r, 1) is not None and type(r) is not MRLTopK for r in model.routers())
+    return all(exact_pairs(r, 1) is not None and not r.draws_k for r in model.routers())
 
 
 def graph_step(model, device_type):
@@ -110,13 +102,17 @@ def compiled(model, graphs):
     return step, torch.compile(model) if graphs else step
 
 
-def sorted_experts(x, mask, gates, w_fc, w_proj, router, mm=None):
+def sorted_experts(x, mask, gates, w_fc, w_proj, router, mm=None, moe_impl='grouped'):
     """moe_sorted with the pair count where the router's budget is exact (static shapes, no host
     sync: one compiled graph of the training forward); on a GPU, k where every token takes k
-    (topk: a sum with no atomics); on an H100 or H200 in bf16, torch's own grouped matmul."""
-    k = router.current_k() if x.is_cuda and type(router) in (TopK, MRLTopK) else None
+    (topk: a sum with no atomics); the matmul mm, by default expert_matmul's for x and moe_impl."""
+    budget = router.budget()  # k where every token takes k: the most one takes
+    k = budget if x.is_cuda and budget is not None and budget == router.most_k() else None
     if mm is None:
-        mm = native_grouped_mm if native_grouped_ok(x, w_fc) else grouped_mm
+        capability = torch.cuda.get_device_capability(x.device) if x.is_cuda else None
+        mm = expert_matmul(x.device.type, x.dtype, capability, moe_impl)
+        if mm is native_grouped_mm and not grouped_kernel_ok(x, w_fc):  # rows not 16-byte aligned
+            mm = grouped_mm
     return moe_sorted(x, mask, gates, w_fc, w_proj, mm, exact_pairs(router, mask.shape[0]), k)
 
 
@@ -129,12 +125,15 @@ def grouped_kernel_runs(device_type, dtype, capability=None):
     return device_type == 'cuda' and dtype == torch.bfloat16 and capability[0] in (9, 10)
 
 
-def native_grouped_ok(x, w):
-    """Whether torch._grouped_mm may run with its own autograd: its kernel on capability 9.x (H100,
-    H200) in bf16. The compiler then sees the op (not seqmoe's custom one); B200's kernel gives an
-    expert without rows a weight gradient (pytorch#172439): there, and elsewhere, grouped_mm."""
-    return (x.is_cuda and grouped_kernel_ok(x, w)
-            and torch.cuda.get_device_capability(x.device)[0] == 9)
+def expert_matmul(device_type, dtype, capability=None, moe_impl='grouped'):
+    """The experts' matmul, training and evaluation: expert_loop where moe_impl='loop'; on CUDA
+    capability 9.x (H100, H200) in bf16 torch._grouped_mm with its own autograd, which the compiler
+    sees; elsewhere seqmoe's op grouped_mm: torch has no fp32 CPU kernel for compile's fake tensors,
+    and B200's kernel gives an expert without rows a weight gradient (pytorch#172439)."""
+    if moe_impl == 'loop':
+        return expert_loop
+    native = device_type == 'cuda' and dtype == torch.bfloat16 and capability[0] == 9
+    return native_grouped_mm if native else grouped_mm
 
 
 def native_grouped_mm(x, w, offs):  # torch's op and autograd

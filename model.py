@@ -1,8 +1,7 @@
 """
-A nanoGPT-style GPT whose feed-forward layers are Mixture-of-Experts layers: the config,
-attention (with RoPE), the MLP, the MoE layer (router -> experts), the block and the GPT.
-The routers are in router.py, the caches a generation carries in cache.py. Shapes: B batch,
-T tokens, C n_embd, N experts, V vocab. Every idea runs here as its plain definition.
+A nanoGPT-style GPT with Mixture-of-Experts feed-forward layers, each idea as its plain definition:
+the config, attention (RoPE), the MLP, the MoE layer (router -> experts), the block, the GPT; the
+routers in router.py, a generation's caches in cache.py. B batch, T tokens, C n_embd, N experts.
 """
 import math
 from dataclasses import dataclass
@@ -26,20 +25,20 @@ class GPTConfig:
     rope: bool = True          # rotary positions (False: GPT-2's learned positions)
     n_exp: int = 8             # experts per MoE layer
     exp_dim: int = 128         # hidden width of each expert
-    moe_every: int = 1         # every moe_every-th block is MoE, the others dense (0: none)
+    moe_every: int = 1         # every moe_every-th block is MoE, others dense (0: none)
     mlp_dim: int = 0           # hidden width of the dense FFN blocks (0: 4 * n_embd)
     # routing and regularisation: may change when a model is resumed or fine-tuned
     dropout: float = 0.0
     router: str = 'topk'       # a key of router.ROUTERS
     top_k: int = 2             # experts per token (a sequence router's: on average)
     seq_min_k: int = 1         # seqtopk: per-token lower bound
-    seq_max_k: int = 0         # seqtopk: per-token upper bound (0: top_k + 2; n_exp: none)
+    seq_max_k: int = 0         # seqtopk: per-token upper bound (0: top_k+2; n_exp: none)
     seq_causal: bool = False   # seqtopk: train by the online rule, as decoding routes
-    seq_budget: str = 'plain'  # online seqtopk: 'plain' (the paper), 'strict' (m tokens <= m*K)
+    seq_budget: str = 'plain'  # online seqtopk: 'plain' (the paper), 'strict' (<= m*K)
     window_floor: int = 1      # windowtopk: each token's own top experts, added
     score_func: str = 'softmax'  # 'softmax', 'sigmoid' or 'relu' (router relu: unused)
-    route_scale: float = 0.0   # gates = route_scale x selected scores (0: ~1 at init; not relu)
-    norm_topk_prob: bool = False  # renormalise a token's selected scores to sum to 1 (not relu)
+    route_scale: float = 0.0   # gates = route_scale x selected scores (0: ~1 at init)
+    norm_topk_prob: bool = False  # a token's selected scores renormalised to sum to 1
     balance: str = 'aux'       # 'aux' (Switch loss), 'bias' (loss-free bias), 'none'
     balance_rate: float = 1e-3  # balance='bias': the bias's step per optimizer step
     aux_loss_weight: float = 0.01  # Switch load-balance loss (balance='aux')
@@ -51,41 +50,38 @@ class GPTConfig:
     relu_threshold_step: float = 0.1  # relu: step of the layers' thresholds (0: ReMoE)
 
     def validate(self):
-        """ValueError in the command line's words: "--top_k=9 must be at most --n_exp=8"."""
-        def need(ok, key, allowed):
-            if not ok:
-                raise ValueError(f"--{key}={getattr(self, key)} must be {allowed}")
-        for key in ('block_size', 'vocab_size', 'n_layer', 'n_head', 'n_embd', 'n_exp',
-                    'exp_dim', 'top_k', 'window_floor'):
-            need(getattr(self, key) >= 1, key, 'a positive integer')
-        for key in ('moe_every', 'mlp_dim', 'seq_min_k', 'seq_max_k'):
-            need(getattr(self, key) >= 0, key, 'an integer >= 0')
-        for key in ('route_scale', 'aux_loss_weight', 'z_loss_weight',
-                    'relu_threshold_step'):
-            need(getattr(self, key) >= 0, key, 'a number >= 0')
-        for key in ('balance_rate', 'relu_l1_init'):
-            need(getattr(self, key) > 0, key, 'a positive number')
-        for key in ('dropout', 'threshold_decay'):
-            need(0 <= getattr(self, key) < 1, key, 'in [0, 1)')
-        need(self.relu_l1_step > 1, 'relu_l1_step', 'greater than 1')
+        """ValueError in the command line's words: "--dropout=1 must be in [0, 1)"."""
+        def need(ok, keys, allowed):
+            for key in keys.split():
+                if not ok(getattr(self, key)):
+                    raise ValueError(f"--{key}={getattr(self, key)} must be {allowed}")
+        need(lambda v: v >= 1, 'block_size vocab_size n_layer n_head n_embd n_exp '
+             'exp_dim top_k window_floor', 'a positive integer')
+        need(lambda v: v >= 0, 'moe_every mlp_dim seq_min_k seq_max_k', 'an integer >= 0')
+        need(lambda v: v >= 0, 'route_scale aux_loss_weight z_loss_weight '
+             'relu_threshold_step', 'a number >= 0')
+        need(lambda v: v > 0, 'balance_rate relu_l1_init', 'a positive number')
+        need(lambda v: 0 <= v < 1, 'dropout threshold_decay', 'in [0, 1)')
+        need(lambda v: v > 1, 'relu_l1_step', 'greater than 1')
         for key, choices in (('router', tuple(ROUTERS)), ('seq_budget', ('plain', 'strict')),
                              ('score_func', ('softmax', 'sigmoid', 'relu')),
                              ('balance', ('aux', 'bias', 'none'))):
-            need(getattr(self, key) in choices, key, 'one of ' + ', '.join(choices))
-        need(self.n_embd % self.n_head == 0, 'n_embd', f'a multiple of --n_head={self.n_head}')
-        need(self.moe_every <= self.n_layer, 'moe_every', f'at most --n_layer={self.n_layer} (0: '
-             f'no MoE layer)')
+            need(lambda v: v in choices, key, 'one of ' + ', '.join(choices))
+        need(lambda v: v % self.n_head == 0, 'n_embd', f'a multiple of --n_head={self.n_head}')
+        need(lambda v: v <= self.n_layer, 'moe_every',
+             f'at most --n_layer={self.n_layer} (0: no MoE layer)')
+        need(lambda v: v <= self.n_exp, 'top_k', f'at most --n_exp={self.n_exp}')
         ROUTERS[self.router].check(self)
 
     def padded_vocab(self):
-        """Rows of the embedding and output layer: a word-piece vocabulary (GPT-2's 50257)
-        padded to a multiple of 64, so that the output layer runs aligned; never sampled."""
+        """Rows of the embedding and output layer: a word-piece vocabulary (GPT-2's
+        50257) padded to a multiple of 64, so that the output layer runs aligned."""
         return self.vocab_size if self.vocab_size < 1024 else -(-self.vocab_size // 64) * 64
 
 
 # what a trained model's weights fix: the rest may change on resume or fine-tuning
-ARCHITECTURE = ('block_size', 'vocab_size', 'n_layer', 'n_head', 'n_embd', 'bias', 'rope',
-                'n_exp', 'exp_dim', 'moe_every', 'mlp_dim')
+ARCHITECTURE = ('block_size', 'vocab_size', 'n_layer', 'n_head', 'n_embd', 'bias',
+                'rope', 'n_exp', 'exp_dim', 'moe_every', 'mlp_dim')
 
 
 class CausalSelfAttention(nn.Module):
@@ -95,15 +91,13 @@ class CausalSelfAttention(nn.Module):
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
-        self.n_head = config.n_head
-        self.dropout = config.dropout
-        self.rope = config.rope
+        self.n_head, self.dropout, self.rope = config.n_head, config.dropout, config.rope
 
     def forward(self, x, cache=None, pos=None):
         B, T, C = x.shape
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        q, k, v = (t.view(B, T, self.n_head, -1).transpose(1, 2)  # (B, nh, T, hs)
                    for t in self.c_attn(x).split(C, dim=2))
-        if self.rope:  # q.k then depends on how far back a key is: "look back" is easy to learn
+        if self.rope:  # q.k then depends on how far back a key is: "look back" is easy
             q, k = rotate(q, pos), rotate(k, pos)
         if cache is None:
             y = F.scaled_dot_product_attention(
@@ -141,9 +135,8 @@ class MLP(nn.Module):
 
 
 def moe_loop(x, mask, gates, w_fc, w_proj):
-    """The textbook MoE over M tokens: for each expert, gather the tokens that take it,
-    run its MLP, add the outputs back scaled by their gates. x (M, C), mask and gates
-    (M, N) -> (M, C); the sum in fp32 at least."""
+    """The textbook MoE over M tokens: for each expert, gather the tokens that take it, run its
+    MLP, add the outputs back scaled by their gates. x (M, C), mask and gates (M, N) -> (M, C)."""
     y = torch.zeros_like(x, dtype=torch.promote_types(x.dtype, torch.float32))
     for i in mask.any(0).nonzero().flatten().tolist():  # the experts some token takes
         token = mask[:, i].nonzero().flatten()  # (M_i,): the tokens that take expert i
@@ -154,8 +147,7 @@ def moe_loop(x, mask, gates, w_fc, w_proj):
 
 
 class MoE(nn.Module):
-    """A router and n_exp expert MLPs: y = sum_i gate_i(x) * gelu(x @ w_fc[i]) @ w_proj[i];
-    returns y, the auxiliary loss and the routing."""
+    """A router and n_exp expert MLPs: y = sum_i gate_i(x) * gelu(x @ w_fc[i]) @ w_proj[i]."""
 
     def __init__(self, config):
         super().__init__()
@@ -168,10 +160,10 @@ class MoE(nn.Module):
 
     def forward(self, x, cache=None, online=False):
         B, T, C = x.shape
-        past = cache.expert_past() if cache is not None else None  # the Expert Cache so far
-        mask, gates, scores, aux_loss, rows = self.router(x, past, online)  # (B, T, N) each
-        if cache is not None and rows is not None:  # an online rule decided; the Expert Cache
-            cache.append_experts(rows, mask)  # keeps these tokens' rows (Eq. 6)
+        past = cache.expert_past() if cache is not None else None  # Expert Cache so far
+        mask, gates, scores, aux_loss, S = self.router(x, past, online)  # (B, T, N) each
+        if cache is not None and S is not None:  # an online rule decided: the cache keeps
+            cache.append_experts(S, mask)  # its Expert Cache S, these tokens' too (Eq. 6)
         # the experts run in the autocast dtype (bf16 on GPUs); the router stays in fp32
         if torch.is_autocast_enabled(x.device.type):
             x = x.to(torch.get_autocast_dtype(x.device.type))
@@ -208,8 +200,7 @@ class GPT(nn.Module):
         if not config.rope:  # GPT-2's learned absolute positions
             embeddings['wpe'] = nn.Embedding(config.block_size, C)
         self.transformer = nn.ModuleDict(dict(
-            embeddings,
-            drop=nn.Dropout(config.dropout),
+            embeddings, drop=nn.Dropout(config.dropout),
             h=nn.ModuleList([Block(config, moe=every > 0 and i % every == every - 1)
                              for i in range(config.n_layer)]),
             ln_f=nn.LayerNorm(C, bias=config.bias),
@@ -231,7 +222,7 @@ class GPT(nn.Module):
             torch.nn.init.zeros_(module.bias)
 
     def num_params(self, active=False):
-        """Parameters without position embeddings; active=True counts top_k of the experts."""
+        """Parameters but position embeddings; active=True: top_k of the experts."""
         n = sum(p.numel() for name, p in self.named_parameters() if 'wpe' not in name)
         if active:
             cfg = self.config
@@ -242,10 +233,9 @@ class GPT(nn.Module):
         return [b.ffn.router for b in self.transformer.h if isinstance(b.ffn, MoE)]
 
     def forward(self, idx, targets=None, cache=None, online=None, moe_ks=None):
-        """Logits, the cross-entropy (None without targets) and aux: the aux loss and each
-        MoE layer's routing (mask, scores). cache: a Cache to decode with; online: by the
-        online rule (default: seq_causal, or with a cache); moe_ks: each MoE layer's k this
-        training step (default top_k)."""
+        """Logits, the cross-entropy (None without targets) and aux: the aux loss and each MoE
+        layer's routing (mask, scores). cache: a Cache to decode with; online: by the online rule
+        (default: seq_causal, or with a cache); moe_ks: each MoE layer's k this training step."""
         T, block_size = idx.shape[1], self.config.block_size
         if T > block_size:
             raise ValueError(f"sequence of length {T} is longer than block_size={block_size}")
@@ -253,20 +243,17 @@ class GPT(nn.Module):
         online = (cache is not None or self.config.seq_causal) if online is None else online
         if self.training:  # this step's k, to the routers that train with one
             routers = self.routers()
-            ks = moe_ks or [self.config.top_k] * len(routers)
-            for router, k in zip(routers, ks, strict=True):
-                if router.per_step_k:
-                    router.k = k
+            for r, k in zip(routers, moe_ks or [self.config.top_k] * len(routers), strict=True):
+                r.k = k if r.per_step_k else r.k
         x = self.transformer.wte(idx)  # (B, T, C)
         x = self.transformer.drop(x if self.config.rope else x + self.transformer.wpe(pos))
         aux_loss, routing = 0.0, []
         for i, block in enumerate(self.transformer.h):
-            layer_cache = cache.layers[i] if cache else None
-            x, layer_aux, layer_routing = block(x, layer_cache, online, pos)
+            x, layer_aux, layer_routing = block(x, cache.layers[i] if cache else None, online, pos)
             aux_loss = aux_loss + layer_aux
             routing += [layer_routing] if layer_routing is not None else []
         if cache is not None:  # the T tokens are in every layer's caches: the next ones
-            cache.advance(T)  # come after them (the position each layer wrote at, plus T)
+            cache.advance(T)  # come after them (the position each layer wrote at + T)
         x = self.transformer.ln_f(x)
         aux = dict(aux_loss=aux_loss, routing=routing)
         if targets is None:  # inference: the last position's logits, without the padding
@@ -275,7 +262,7 @@ class GPT(nn.Module):
         loss = F.cross_entropy(logits.flatten(0, 1), targets.reshape(-1), ignore_index=-1)
         return logits, loss, aux
 
-    def after_step(self):  # once per optimizer step: the routers' rule (relu's lambda...)
+    def after_step(self):  # once per optimizer step: the routers' rule (relu's lambda)
         if routers := self.routers():
             routers[0].after_step(routers)
 

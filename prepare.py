@@ -25,13 +25,13 @@ from tqdm import tqdm
 
 from checkpoint import written
 from configurator import arg_parser, fail
-from model import GPTConfig
 
 # sha256 of the GPT-2 files, as tiktoken_ext.openai_public checks them
 GPT2_VOCAB_BPE_SHA256 = "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5"
 GPT2_ENCODER_JSON_SHA256 = "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783"
 LOCAL_FORMATS = {'.json': 'json', '.jsonl': 'json', '.csv': 'csv', '.parquet': 'parquet',
                  '.txt': 'text'}
+TRAIN_CONTEXT = 128  # train.py's default --block_size (model.GPTConfig's: tested equal)
 
 
 # text sources
@@ -217,9 +217,9 @@ def prepare(args):
         enc, meta = gpt2_encoding(), dict(tokenizer='gpt2', vocab_size=50257, source=source)
         val = splits['val'][:1000][args.text_column]  # enough to tell: each row ends in a token
         n = sum(len(enc.encode_ordinary(t)) + 1 if isinstance(t, str) else np.inf for t in val)
-        if n <= GPTConfig.block_size + 1:  # train.py's default context and its targets
+        if n <= TRAIN_CONTEXT + 1:  # train.py's default context and its targets
             fail(f"the val split holds {n} tokens, too few for train.py's default --block_size="
-                 f"{GPTConfig.block_size}; give a larger --val_fraction (now "
+                 f"{TRAIN_CONTEXT}; give a larger --val_fraction (now "
                  f"{args.val_fraction or 0.0005:g})")
         start_folder(out)
         for split, ds in splits.items():

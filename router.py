@@ -1,7 +1,7 @@
 """
-The routers of "Route Expert by Sequence, Not by Token" (SeqTopK, arXiv 2511.06494) as the
-paper writes them: scores (B, T, N) (B sequences of T tokens, N experts) to a mask (B, T, N),
-True where a token takes an expert; then the gates and losses; then a small class per router.
+The routers of "Route Expert by Sequence, Not by Token" (SeqTopK, arXiv 2511.06494) as
+the paper writes them: scores (B, T, N) (B sequences of T tokens, N experts) to a mask
+(B, T, N), True where a token takes an expert; the gates and losses; a class per router.
 """
 import torch
 import torch.nn as nn
@@ -15,20 +15,18 @@ def topk_mask(scores, k):
 
 
 def top_entries(values, n):
-    """Each row's n largest entries (..., L) as a mask. Equal values go to the earlier entry:
-    every entry above the n-th largest value is taken, then the entries equal to it, earliest
-    first, while places are left."""
+    """Each row's n largest entries (..., L) as a mask, equal values to the earlier entry:
+    those above the n-th largest value, then those equal to it while places are left."""
     if n == 0:
         return torch.zeros_like(values, dtype=torch.bool)
-    nth = values.topk(n, dim=-1, sorted=False).values.amin(dim=-1, keepdim=True)  # (..., 1)
-    above, tied = values > nth, values == nth
-    places_left = n - above.sum(dim=-1, keepdim=True)
-    return above | (tied & (tied.cumsum(dim=-1) <= places_left))
+    nth = values.topk(n, dim=-1, sorted=False).values.amin(-1, keepdim=True)  # (..., 1)
+    above, tied = values > nth, values == nth  # the tied ones while places are left:
+    return above | (tied & (tied.cumsum(dim=-1) <= n - above.sum(dim=-1, keepdim=True)))
 
 
 def seqtopk_bounds(k, n_exp, min_k=1, max_k=None):
-    """The per-token bounds (min_k, max_k) checked, by default the paper's (1, k + 2): they
-    contain k; a max_k of 0 or None is k + 2, one of n_exp or more no upper bound."""
+    """The per-token bounds (min_k, max_k) checked, by default the paper's (1, k + 2):
+    they contain k; a max_k of 0 or None is k + 2, one of n_exp or more no bound."""
     max_k = min(max_k or k + 2, n_exp)
     if not 1 <= k <= n_exp:
         raise ValueError(f"--top_k={k} must be between 1 and --n_exp={n_exp}")
@@ -44,16 +42,11 @@ def seqtopk_mask(scores, k, min_k=1, max_k=None):
     taking between min_k and max_k experts (seqtopk_bounds)."""
     B, T, N = scores.shape
     min_k, max_k = seqtopk_bounds(k, N, min_k, max_k)
-    ranked, order = scores.topk(max_k, dim=-1)  # (B, T, max_k): each token's best, best first
-    # 1. each token takes its best min_k;
-    floor = torch.ones_like(ranked[..., :min_k], dtype=torch.bool)
-    # 2. the other T*(k - min_k) places go to the best of the entries a token may still take,
-    #    its ranks min_k..max_k-1 (R of them); equal scores go to the earlier token, then to
-    #    its better rank (the token-major order of the flattened rows).
-    # The best total under the bounds: a selection takes min_k to max_k of a token's entries,
-    # and swapping one for a higher one of the same token never lowers the total, so the best
-    # takes each token's best min_k, then the highest of the rest within each token's best
-    # max_k; a token's extras are then a run of its ranks (tested against brute force).
+    ranked, order = scores.topk(max_k, dim=-1)  # (B, T, max_k): each token's best first
+    floor = torch.ones_like(ranked[..., :min_k], dtype=torch.bool)  # 1. its best min_k;
+    # 2. the other T*(k - min_k) places to the best entries a token may still take (its
+    #    ranks min_k..max_k-1; ties: earlier token, better rank). Best total: a swap up within
+    #    a token never lowers it, so a token's extras are a run of its ranks (brute-forced).
     R = max_k - min_k
     extra = top_entries(ranked[..., min_k:].reshape(B, T * R), T * (k - min_k))  # (B, T*R)
     taken = torch.cat([floor, extra.view(B, T, R)], dim=-1)  # (B, T, max_k): by rank
@@ -61,44 +54,46 @@ def seqtopk_mask(scores, k, min_k=1, max_k=None):
 
 
 def expert_cache_rows(scores, min_k, max_k):
-    """Eq. (6), the Expert Cache keeps the scores of every token so far; here only those
-    that can still compete: each token's ranks min_k..max_k-1 (..., R = max_k - min_k)."""
+    """Eq. (6), the Expert Cache keeps the scores of every token so far; here those that
+    can still compete: each token's ranks min_k..max_k-1 (..., R = max_k - min_k)."""
     return scores.topk(max_k, dim=-1).values[..., min_k:]
 
 
 def online_seqtopk_token(S, k, min_k, spent=None):
-    """Eq. (7), online SeqTopK: token m's experts by rank (B, max_k), best first. S (B, m, R):
-    the Expert Cache of tokens 1..m (Eq. 6), token m's row last. As Eq. (5) over tokens 1..m
-    gives its row: every token takes its best min_k, and the other m*(k - min_k) places go to
-    the top entries of S, an earlier token winning ties; token m takes its best min_k and its
-    entries among them. spent (B,), given (the strict budget): tokens 1..m take at most m*k."""
+    """Eq. (7), online SeqTopK: token m's experts by rank (B, max_k), from S (B, m, R),
+    the Expert Cache of tokens 1..m (Eq. 6), its row last. As Eq. (5) over them: each
+    takes its best min_k, the other m*(k - min_k) places go to S's top entries (ties: the
+    earlier token). spent (B,) given (strict budget): tokens 1..m take at most m*k."""
     B, m, R = S.shape
-    won = top_entries(S.reshape(B, m * R), m * (k - min_k))[:, -R:]  # (B, R): token m's row
+    won = top_entries(S.reshape(B, m * R), m * (k - min_k))[:, -R:]  # (B, R): token m's
     taken = torch.cat([won.new_ones(B, min_k), won], dim=-1)  # (B, max_k): by rank
     if spent is not None:  # its best ones, up to what is left of m*k
         taken &= torch.arange(min_k + R, device=S.device) < (m * k - spent)[:, None]
     return taken
 
 
-def online_seqtopk_mask(scores, k, min_k=1, max_k=None, strict=False, cached=None,
-                        spent=None):
-    """Eq. (7) for each of T tokens (B, T, N) in turn, against the Expert Cache of the
-    tokens before it: cached (B, P, R) of P earlier tokens (default none) that took
-    spent (B,) experts, then the new tokens' own rows. strict: no prefix of m tokens
-    takes more than m*k. The mask (B, T, N) and the new tokens' rows (B, T, R): what the
-    Expert Cache keeps of them (Eq. 6)."""
+def online_seqtopk(scores, k, min_k=1, max_k=None, strict=False, cached=None, spent=None):
+    """Eq. (7) for T tokens (B, T, N) in turn, each against the Expert Cache before it:
+    cached (B, P, R) of P earlier tokens (default none) that took spent (B,); strict: m
+    tokens take at most m*k. The mask (B, T, N), and S (B, P + T, R): cached, new rows."""
     B, T, N = scores.shape
     min_k, max_k = seqtopk_bounds(k, N, min_k, max_k)
-    ranked, order = scores.topk(max_k, dim=-1)  # (B, T, max_k): each token's best, best first
-    rows = ranked[..., min_k:]  # (B, T, R): their ranks min_k..max_k-1 (expert_cache_rows)
-    S = torch.cat([rows[:, :0] if cached is None else cached, rows], dim=1)  # (B, P + T, R)
+    ranked, order = scores.topk(max_k, dim=-1)  # (B, T, max_k): each token's best first
+    rows = ranked[..., min_k:]  # (B, T, R): ranks min_k..max_k-1 (expert_cache_rows)
+    S = rows if cached is None else torch.cat([cached, rows], dim=1)  # (B, P + T, R)
     spent = rows.new_zeros(B, dtype=torch.long) if spent is None else spent
     taken = []
     for m in range(S.shape[1] - T + 1, S.shape[1] + 1):  # token m against S's rows 1..m
         taken.append(online_seqtopk_token(S[:, :m], k, min_k, spent if strict else None))
         spent = spent + taken[-1].sum(-1)
     taken = torch.stack(taken, dim=1)  # (B, T, max_k): each token's experts by rank
-    return torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, order, taken), rows
+    return torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, order, taken), S
+
+
+def online_seqtopk_mask(scores, k, min_k=1, max_k=None, strict=False, cached=None, spent=None):
+    """online_seqtopk's mask and, of S, the new tokens' rows (B, T, R)."""
+    mask, S = online_seqtopk(scores, k, min_k, max_k, strict, cached, spent)
+    return mask, S[:, S.shape[1] - scores.shape[1]:]
 
 
 def batchtopk_mask(scores, k):
@@ -108,9 +103,9 @@ def batchtopk_mask(scores, k):
 
 
 def windowtopk_mask(scores, k, floor=1):
-    """SeqTopK as the paper's pretraining code selects (ReMoE-ts): Megatron's scores
-    (T, B, N) flattened to rows t*B + b, viewed as B windows of T rows (T/B positions of
-    all B sequences); a window's top T*k entries, each token's own top `floor` added."""
+    """SeqTopK as the paper's pretraining code selects (ReMoE-ts): Megatron's scores (T, B, N)
+    as rows t*B + b, viewed as B windows of T rows (T/B positions of all B sequences); a
+    window's top T*k entries, each token's own top `floor` added."""
     B, T, N = scores.shape
     windows = scores.transpose(0, 1).reshape(B, T * N)  # (B windows, T*N): rows t*B + b
     mask = top_entries(windows, T * k).view(T, B, N).transpose(0, 1)  # (B, T, N)
@@ -124,7 +119,7 @@ def mrltopk_ks(k):
 
 
 def mrltopk_draw(k, n_layers, generator=None):
-    """MRL-TopK (appendix, fine-tuning): each layer's k ~ Uniform{2^1..2^log2 K}, per step."""
+    """MRL-TopK (appendix, fine-tuning): each layer's k ~ Uniform{2^1..2^log2 K}."""
     draws = torch.randint(len(mrltopk_ks(k)), (n_layers,), generator=generator)
     return [mrltopk_ks(k)[i] for i in draws.tolist()]  # plain ints: static shapes
 
@@ -155,9 +150,10 @@ def switch_balance(probs, mask, k):
 
 class Router(nn.Module):
     """Token features (B, T, C) -> mask, gates, scores (each (B, T, N)), aux loss, Expert
-    Cache rows (`decide`). A router says how it selects (`select`). Its buffers: its state."""
+    Cache S (`decide`). It says how it selects (`select`), what it spends (`budget`)."""
     online = False  # it has an online rule (decide): a token sees only the earlier ones
     per_step_k = False  # it trains with each step's k (draw, train.py's k_schedule)
+    draws_k = False  # that k drawn at random each step (a shape per draw)
 
     def __init__(self, config):
         super().__init__()
@@ -174,76 +170,79 @@ class Router(nn.Module):
             self.register_buffer('expert_bias', torch.zeros(config.n_exp))
             self.register_buffer('expert_load', torch.zeros(config.n_exp))
 
-    @classmethod
-    def check(cls, config):
+    @staticmethod
+    def check(config):
         """ValueError, in the command line's words, for settings it cannot route with."""
-        if not config.top_k <= config.n_exp:
-            raise ValueError(f"--top_k={config.top_k} must be at most "
-                             f"--n_exp={config.n_exp}")
 
     def forward(self, x, past=None, online=False):
-        """past: decoding, the layer's Expert Cache so far (LayerCache.expert_past: rows,
-        spent), no aux loss then; online: by the online rule, for the routers with one."""
+        """past: decoding, the layer's Expert Cache so far (LayerCache.expert_past),
+        no aux loss then; online: by the online rule, for the routers with one."""
         cfg = self.config
         with torch.autocast(x.device.type, enabled=False):  # fp32: near-ties rank alike
             logits = F.linear(x.float(), self.gate.weight.float())  # (B, T, N)
         scores = (logits.softmax(dim=-1) if cfg.score_func == 'softmax' else
                   logits.sigmoid() if cfg.score_func == 'sigmoid' else logits.relu())
-        mask, gates, rows = self.route(logits, scores, past, online)
+        mask, gates, S = self.route(logits, scores, past, online)
         aux = 0.0 if past is not None else self.aux_loss(logits, scores, mask, gates)
-        return mask, gates, scores, aux, rows
+        return mask, gates, scores, aux, S
 
     def route(self, logits, scores, past, online):
         cfg = self.config
-        mask, rows = self.decide(self.choice(scores), past, online)
+        mask, S = self.decide(self.choice(scores), past, online)
         if cfg.balance == 'bias' and self.training:
             self.expert_load.add_(mask.sum(dim=(0, 1)))
-        return mask, routing_weights(scores, mask, cfg.norm_topk_prob, self.route_scale), rows
+        return mask, routing_weights(scores, mask, cfg.norm_topk_prob, self.route_scale), S
 
     def choice(self, scores):
-        """What the router ranks: the scores, plus the balancing bias (balance='bias'). A NaN
-        score (a diverging run) ranks last: every budget is still spent exactly, and the NaN
-        loss, not a selection of the wrong size, stops the run."""
+        """What the router ranks: the scores plus the balancing bias (balance='bias'). A NaN
+        score (a diverging run) ranks last: budgets are still spent; the NaN loss stops it."""
         choice = scores + self.expert_bias if self.config.balance == 'bias' else scores
         return choice.masked_fill(choice.isnan(), float('-inf'))
 
     def select(self, choice):  # choice (B, T, N) -> mask (B, T, N)
         raise NotImplementedError
 
-    def decide(self, choice, past, online):  # the mask, and the rows an Expert Cache keeps
-        return self.select(choice), None  # (Eq. 6): a router with an online rule's, given past
+    def decide(self, choice, past, online):  # the mask and the Expert Cache S (Eq. 6):
+        return self.select(choice), None  # a router with an online rule's, given past
 
     def current_k(self):  # experts per token now: top_k, or this training step's k
         return self.k if self.training and self.per_step_k else self.config.top_k
+
+    def budget(self):
+        """Experts a token on average, their total known before the data, in this mode
+        (training or evaluation); None: the data decides. Each token takes it if most_k."""
+        return None
+
+    def most_k(self):  # the most experts one token takes in this mode (None: no bound)
+        return None
 
     @staticmethod
     def draw(k, n_layers, generator=None):  # each MoE layer's k for one training step
         return [k] * n_layers
 
-    def needs_calibration(self):  # an evaluation must first set its state on training data
+    def needs_calibration(self):  # evaluation must first set its state on training data
         return False
 
     def aux_loss(self, logits, scores, mask, gates):
-        """The router z-loss, plus with balance='aux' the Switch balance loss (on the
-        scores normalised per token, for sigmoid and relu scores)."""
+        """The router z-loss, plus with balance='aux' the Switch balance loss over what a
+        token spends (scores normalised per token, for sigmoid and relu scores)."""
         cfg = self.config
         loss = cfg.z_loss_weight * logits.logsumexp(dim=-1).square().mean()
         if cfg.balance == 'aux':
-            probs = scores if cfg.score_func == 'softmax' else (  # relu: a row may be all 0
+            probs = scores if cfg.score_func == 'softmax' else (  # relu: a row may be 0
                 scores / scores.sum(-1, keepdim=True).clamp_min(1e-9))
-            balance = switch_balance(probs, mask, self.current_k())
+            spent = self.budget() or mask.sum(-1).float().mean()  # experts a token took
+            balance = switch_balance(probs, mask, spent)
             loss = cfg.aux_loss_weight * balance + loss
         return loss
 
     @classmethod
     @torch.no_grad()
     def after_step(cls, routers):
-        """Once per optimizer step. Loss-free balancing (DeepSeek-V3): each bias moves by
-        balance_rate toward an even load."""
+        """Per optimizer step, loss-free balancing (DeepSeek-V3): to an even load."""
         for router in routers if routers[0].config.balance == 'bias' else ():
             load = router.expert_load
-            step = router.config.balance_rate * torch.sign(load.mean() - load)
-            router.expert_bias.add_(step)
+            router.expert_bias.add_(router.config.balance_rate * torch.sign(load.mean() - load))
             load.zero_()
 
 
@@ -254,10 +253,15 @@ class TopK(Router):
     def select(self, choice):
         return topk_mask(choice, self.current_k())
 
+    def budget(self):
+        return self.current_k()
+
+    most_k = budget
+
 
 class MRLTopK(TopK):
-    """MRL-TopK, the paper's fine-tuning baseline: topk, each layer's k drawn each step."""
-    draw = staticmethod(mrltopk_draw)
+    """MRL-TopK, the paper's fine-tuning baseline: topk, each layer's k drawn a step."""
+    draw, draws_k = staticmethod(mrltopk_draw), True
 
 
 class SeqTopK(Router):
@@ -267,50 +271,51 @@ class SeqTopK(Router):
 
     def __init__(self, config):
         super().__init__(config)
-        self.min_k, self.max_k = self.bounds(config)  # the per-token bounds, resolved once
-        self.online_rule = online_seqtopk_mask  # fast.paths: by counting, the same masks
-
-    @classmethod
-    def check(cls, config):
-        super().check(config)
-        cls.bounds(config)
+        self.min_k, self.max_k = self.check(config)  # per-token bounds, resolved once
+        self.online_rule = online_seqtopk  # fast.paths: by counting, the same masks
 
     @staticmethod
-    def bounds(cfg):
+    def check(cfg):  # its per-token bounds, checked
         return seqtopk_bounds(cfg.top_k, cfg.n_exp, cfg.seq_min_k, cfg.seq_max_k)
 
     def select(self, choice):  # Eq. 5: the whole sequence at once
         return seqtopk_mask(choice, self.config.top_k, self.min_k, self.max_k)
+
+    def budget(self):  # T*k a sequence, unless it trains by the online rule
+        return self.config.top_k if self.training and not self.config.seq_causal else None
+
+    def most_k(self):
+        return self.max_k
 
     def decide(self, choice, past, online):
         strict, k = self.config.seq_budget == 'strict', self.config.top_k
         if online:  # Eq. 7, after the Expert Cache past
             return self.online_rule(choice, k, self.min_k, self.max_k, strict, *(past or ()))
         # Eq. 5 at once; with an Expert Cache (a prompt routed jointly) it keeps the rows
-        rows = None if past is None else expert_cache_rows(choice, self.min_k, self.max_k)
-        return self.select(choice), rows
+        S = None if past is None else expert_cache_rows(choice, self.min_k, self.max_k)
+        return self.select(choice), S
 
 
 class BatchTopK(Router):
-    """Training: the batch's top B*T*k, the threshold following the smallest selected
-    score (an EMA, once per optimizer step); evaluation and decoding: the scores above
-    it, so that a sequence never depends on the batch."""
+    """Training: the batch's top B*T*k, a threshold following the smallest selected score
+    (an EMA a step); evaluation and decoding: the scores above it (never the batch's)."""
 
     def __init__(self, config):
         super().__init__(config)
-        self.register_buffer('threshold', torch.zeros(()))
-        self.register_buffer('calibrated', torch.zeros(()))  # 1: a training step set it
-        self.register_buffer('smallest_sum', torch.zeros(()))  # since the last step,
-        self.register_buffer('smallest_count', torch.zeros(()))  # its micro-batches
+        # calibrated: 1 once a step set threshold; smallest_*: since the last step
+        for name in ('threshold', 'calibrated', 'smallest_sum', 'smallest_count'):
+            self.register_buffer(name, torch.zeros(()))
 
     def select(self, choice):
         if not self.training:
             return choice > self.threshold
         mask = batchtopk_mask(choice, self.config.top_k)
-        with torch.no_grad():
-            self.smallest_sum.add_(choice.masked_fill(~mask, float('inf')).min())
-            self.smallest_count.add_(1)
+        self.smallest_sum.add_(choice.detach().masked_fill(~mask, float('inf')).min())
+        self.smallest_count.add_(1)
         return mask
+
+    def budget(self):  # B*T*k a batch in training; evaluation: the threshold's
+        return self.config.top_k if self.training else None
 
     def needs_calibration(self):
         return not self.calibrated
@@ -318,14 +323,12 @@ class BatchTopK(Router):
     @classmethod
     @torch.no_grad()
     def after_step(cls, routers):
-        # any value is a threshold (balance='bias' or relu scores: <= 0 too), so a flag
-        # says one was set; under DDP the sums are the ranks' means, and N processes
-        # step as one
+        # any value is a threshold (balance='bias' or relu scores: <= 0 too): a flag says
+        # one was set. Under DDP the sums are the ranks' means: N processes step as one
         for router in routers:
             if router.smallest_count > 0:
                 decay = router.config.threshold_decay * router.calibrated
-                smallest = router.smallest_sum / router.smallest_count
-                router.threshold.copy_(decay * router.threshold + (1 - decay) * smallest)
+                router.threshold.lerp_(router.smallest_sum / router.smallest_count, 1 - decay)
                 router.calibrated.fill_(1.0)
             router.smallest_sum.zero_()
             router.smallest_count.zero_()
@@ -333,39 +336,35 @@ class BatchTopK(Router):
 
 
 class WindowTopK(SeqTopK):
-    """The paper's pretraining code's SeqTopK (windowtopk_mask) in training and offline.
-    Its windows see later tokens and other sequences: causal evaluation and decoding
-    route by the online rule (Eq. 7), with its floor and no upper bound."""
-
-    @classmethod
-    def check(cls, config):
-        Router.check(config)
-        if not config.window_floor <= config.top_k:  # above K, the online rule could not keep it
-            raise ValueError(f"--window_floor={config.window_floor} must be at most "
-                             f"--top_k={config.top_k}")
+    """The paper's pretraining code's SeqTopK (windowtopk_mask) in training and offline. Its
+    windows see later tokens and other sequences: causal evaluation and decoding route by
+    the online rule (Eq. 7), with its floor and no upper bound."""
 
     @staticmethod
-    def bounds(cfg):
-        return seqtopk_bounds(cfg.top_k, cfg.n_exp, cfg.window_floor, cfg.n_exp)
+    def check(c):  # the floor above K: online routing could not keep it
+        if not c.window_floor <= c.top_k:
+            raise ValueError(f"--window_floor={c.window_floor} must be at most --top_k={c.top_k}")
+        return seqtopk_bounds(c.top_k, c.n_exp, c.window_floor, c.n_exp)
 
     def select(self, choice):
         return windowtopk_mask(choice, self.config.top_k, self.config.window_floor)
 
+    # no budget known: each token's floor on top of the windows' T*k; online, no bound
+    budget = most_k = Router.most_k
+
 
 class ReLU(Router):
-    """ReMoE: gates = ReLU(logits), steered to top_k experts per token on average by an
-    L1 penalty with an adaptive lambda."""
+    """ReMoE: gates = ReLU(logits), steered to top_k experts a token on average by an L1
+    penalty with an adaptive lambda."""
 
     def __init__(self, config):
         super().__init__(config)
-        self.register_buffer('threshold', torch.zeros(()))
+        for name in ('threshold', 'active_sum', 'active_count'):
+            self.register_buffer(name, torch.zeros(()))
         self.register_buffer('l1_coef', torch.tensor(float(config.relu_l1_init)))
-        self.register_buffer('active_sum', torch.zeros(()))
-        self.register_buffer('active_count', torch.zeros(()))
 
-    @classmethod
-    def check(cls, config):
-        super().check(config)
+    @staticmethod
+    def check(config):
         if config.balance == 'bias':
             raise ValueError("--balance=bias needs a router that ranks scores; relu "
                              "balances through its own regulariser (use --balance=aux)")
@@ -374,9 +373,8 @@ class ReLU(Router):
         gates = F.relu(logits - self.threshold)  # a layer's threshold <= 0 (ReMoE's: 0)
         mask = gates > 0
         if self.training:
-            with torch.no_grad():
-                self.active_sum.add_(mask.float().mean())
-                self.active_count.add_(1)
+            self.active_sum.add_(mask.float().mean())  # a mask: no gradient
+            self.active_count.add_(1)
         return mask, gates, None
 
     def aux_loss(self, logits, scores, mask, gates):
@@ -394,8 +392,7 @@ class ReLU(Router):
             count = sum(r.active_count for r in group)
             active = sum(r.active_sum for r in group) / count.clamp_min(1)
             # ReMoE's controller (thu-ml/ReMoE, training.py): lambda x factor when the
-            # active fraction is above K/N (too dense), / factor otherwise; within
-            # [1e-12, 1e3]
+            # active fraction is above K/N (too dense), / factor else; in [1e-12, 1e3]
             factor = torch.where(active > target, cfg.relu_l1_step, 1 / cfg.relu_l1_step)
             coef = (group[0].l1_coef * factor).clamp(1e-12, 1e3)
             for router in group:
@@ -406,18 +403,16 @@ class ReLU(Router):
             active = router.active_sum / router.active_count.clamp_min(1)
             step = cfg.relu_threshold_step * (active - target) / target
             threshold = (router.threshold + step).clamp(max=0.0)
-            seen = router.active_count > 0
-            router.threshold.copy_(torch.where(seen, threshold, router.threshold))
+            router.threshold.copy_(threshold.where(router.active_count > 0, router.threshold))
             router.active_sum.zero_()
             router.active_count.zero_()
 
 
-# Adding a router: its selection as a function above, a class changing what differs, a
-# row here.
+# A new router: its selection as a function above, a class for what differs, a row here
 ROUTERS = dict(topk=TopK, mrltopk=MRLTopK, seqtopk=SeqTopK, batchtopk=BatchTopK,
                relu=ReLU, windowtopk=WindowTopK)
 
 
 def step_ks(cfg, n_layers, generator=None):
-    """Each MoE layer's k for one training step, as plain ints (the scripts draw them)."""
+    """Each MoE layer's k for one training step, plain ints (the scripts draw them)."""
     return ROUTERS[cfg.router].draw(cfg.top_k, n_layers, generator)

@@ -22,7 +22,6 @@ from configurator import (a_seed, autocast_for, configure, device_name, fail,
                           pick_device, positive_int)
 from model import GPT, GPTConfig
 from prepare import get_codec
-from router import MRLTopK, SeqTopK, TopK
 
 # -----------------------------------------------------------------------------
 out_dir = 'out'            # where train.py wrote ckpt.pt
@@ -171,11 +170,8 @@ def slot_experts(x, expert, gate, w_fc, w_proj):
 
 def decode_slots(router):
     """A decoding step's slots: the most experts one token takes (topk: k; SeqTopK: its upper bound,
-    Eq. 5's), or None (no bound)."""
-    kind = type(router)
-    if kind in (TopK, MRLTopK):
-        return router.config.top_k
-    return router.max_k if kind is SeqTopK else None
+    Eq. 5's), or None (no bound): Router.most_k."""
+    return router.most_k()
 
 
 def decode_experts(x, mask, gates, w_fc, w_proj, router, slots=None):

@@ -18,6 +18,7 @@ import torch
 
 from conftest import (HANG, OFFLINE_ENV, REPO, TINY, exit_message, needs_cuda, one_error_line,
                       python, run, tiny_config)
+from router import ROUTERS
 
 
 def logged(out_dir, event='train'):
@@ -94,7 +95,7 @@ def test_every_numeric_setting_rejects_zero_negative_nan_and_a_wrong_type(
     (['--seq_budget=strictt'], "--seq_budget=strictt must be one of plain, strict"),
     (['--score_func=softmaxx'], "--score_func=softmaxx must be one of softmax, sigmoid, relu"),
     (['--balance=auxx'], "--balance=auxx must be one of aux, bias, none"),
-    (['--router=seqtop'], "--router=seqtop must be one of topk, mrltopk, seqtopk, batchtopk, relu"),
+    (['--router=seqtop'], "--router=seqtop must be one of " + ', '.join(ROUTERS)),
     (['--learning_rate=nan'], "--learning_rate=nan must be a finite number"),
     (['--min_lr=0.1'], "--min_lr=0.1 must be at most --learning_rate=0.002"),
     (['--top_k=9'], "--top_k=9 must be at most --n_exp=8"),
@@ -117,8 +118,7 @@ def test_bad_settings_fail_with_one_line_before_out_dir_is_looked_at(
 
 def test_a_bad_setting_is_one_line_on_stderr_and_no_traceback(workdir):
     line = one_error_line(run('train.py', '--out_dir=run', '--router=seqtop', cwd=workdir))
-    assert line == ("error: --router=seqtop must be one of "
-                    "topk, mrltopk, seqtopk, batchtopk, relu, windowtopk")
+    assert line == "error: --router=seqtop must be one of " + ', '.join(ROUTERS)
     assert not (workdir / 'nothing').exists()
     assert one_error_line(run('train.py', '--out_dir=nothing', '--n_exp=many', cwd=workdir)) == \
         "error: --n_exp=many must be an integer"
@@ -131,13 +131,13 @@ def test_a_bad_setting_is_one_line_on_stderr_and_no_traceback(workdir):
     ('bench.py', '--contexts=64,x', 'a comma-separated list, each item a positive integer'),
     ('bench.py', '--moe_top_k=65', 'at most --moe_n_exp=64'),
     ('experiments/sweep.py', '--routers=topk,seqtop',
-     'a comma-separated list, each item one of topk, mrltopk, seqtopk'),
+     'a comma-separated list, each item one of ' + ', '.join(ROUTERS)),
     ('experiments/sweep.py', '--top_ks=8,0',
      'a comma-separated list, each item a positive integer'),
     ('experiments/sweep.py', '--seeds=1,a', 'a comma-separated list, each item an integer in'),
     # twice: two trainings into one folder
     ('experiments/sweep.py', '--routers=topk,seqtopk,seqtopk', 'a comma-separated list, each '
-     'item one of topk, mrltopk, seqtopk, batchtopk, relu, windowtopk, none twice'),
+     'item one of ' + ', '.join(ROUTERS) + ', none twice'),
     ('experiments/sweep.py', '--seeds=1,01',
      'a comma-separated list, each item an integer in [0, 2**32), none twice'),
 ])
@@ -539,7 +539,8 @@ def test_a_k_schedule_sets_training_s_experts_per_token_by_step_and_the_log_show
     assert done['experts_trained'] == 2.5 and done['experts_mean'] == 2.0  # evaluation: top_k
     refused = run('train.py', TINY, '--router=seqtopk', '--k_schedule=0:2', '--out_dir=x',
                   cwd=workdir)
-    assert 'only topk, mrltopk' in one_error_line(refused)
+    per_step = ', '.join(name for name, r in ROUTERS.items() if r.per_step_k)  # topk, mrltopk
+    assert f'only {per_step} route' in one_error_line(refused)
 
 
 def test_the_log_shows_warmup_then_cosine_decay_to_min_lr_and_mrltopk_drawing_k_each_step(workdir):
