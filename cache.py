@@ -1,7 +1,7 @@
 """
-What a generation carries from step to step, per layer: the KV cache, static as in
-gpt-fast (buffers of block_size tokens written in place at a position counted on the
-device), and where the router has an online rule the Expert Cache (Eq. 6), a row a token.
+What a generation carries from step to step, per layer: the KV cache, static as in gpt-fast
+(buffers of block_size tokens written in place at a position counted on the device), and
+where the router has an online rule the Expert Cache (Eq. 6), a row a token.
 """
 import torch
 
@@ -56,8 +56,7 @@ class LayerCache:
         return self.k, self.v
 
     def expert_past(self):
-        """What the router reads: the Expert Cache of the tokens so far (B, P, R) and the
-        experts they took (B,); None, None before the first."""
+        """The Expert Cache of the tokens so far (B, P, R), the experts they took (B,)."""
         return self.expert_cache, self.spent
 
     def append_experts(self, S, mask):

@@ -74,12 +74,10 @@ class GPTConfig:
         ROUTERS[self.router].check(self)
 
     def padded_vocab(self):
-        """Rows of the embedding and output layer: a word-piece vocabulary (GPT-2's
-        50257) padded to a multiple of 64, so that the output layer runs aligned."""
+        """A word-piece vocabulary (GPT-2's 50257) padded to a multiple of 64 (aligned)."""
         return self.vocab_size if self.vocab_size < 1024 else -(-self.vocab_size // 64) * 64
 
 
-# what a trained model's weights fix: the rest may change on resume or fine-tuning
 ARCHITECTURE = ('block_size', 'vocab_size', 'n_layer', 'n_head', 'n_embd', 'bias',
                 'rope', 'n_exp', 'exp_dim', 'moe_every', 'mlp_dim')
 
@@ -222,11 +220,11 @@ class GPT(nn.Module):
             torch.nn.init.zeros_(module.bias)
 
     def num_params(self, active=False):
-        """Parameters but position embeddings; active=True: top_k of the experts."""
+        """Parameters but position embeddings; active=True: a token's experts (Router.spend)."""
         n = sum(p.numel() for name, p in self.named_parameters() if 'wpe' not in name)
         if active:
-            cfg = self.config
-            n -= len(self.routers()) * (cfg.n_exp - cfg.top_k) * 2 * cfg.n_embd * cfg.exp_dim
+            k, c = max([r.spend()[1] for r in self.routers()], default=0), self.config
+            n -= round(len(self.routers()) * (c.n_exp - k) * 2 * c.n_embd * c.exp_dim)
         return n
 
     def routers(self):  # the router of every MoE layer, in order
@@ -274,7 +272,6 @@ class GPT(nn.Module):
                                  fused=device_type == 'cuda')
 
     def decode_token(self, idx, cache, online=True):
-        """The logits after idx (B, T) and the routing: generation's step through the caches
-        (T = 1), or the prompt's (online=False: routed at once)."""
+        """Logits after idx (B, T), the routing: a decoding step (T = 1), or the prompt's."""
         logits, _, aux = self(idx, cache=cache, online=online)
         return logits, aux['routing']

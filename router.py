@@ -137,8 +137,7 @@ def routing_weights(scores, mask, renormalize=False, scale=1.0):
 
 
 def switch_balance(probs, mask, k):
-    """Switch load balance (Fedus et al.), as Megatron: N sum_e mean_t(p_e) tokens_e /
-    (tokens k); ReMoE's L1 regulariser is this on the ReLU gates."""
+    """Switch balance (Fedus et al.): N sum_e mean_t(p_e) tokens_e / (tokens k)."""
     probs, mask = probs.flatten(0, -2), mask.flatten(0, -2)
     tokens_per_expert = mask.sum(0).to(probs.dtype)  # counts: no gradient flows through
     N, M = probs.shape[-1], mask.shape[0]
@@ -208,13 +207,13 @@ class Router(nn.Module):
     def current_k(self):  # experts per token now: top_k, or this training step's k
         return self.k if self.training and self.per_step_k else self.config.top_k
 
-    def budget(self):
-        """Experts a token on average, their total known before the data, in this mode
-        (training or evaluation); None: the data decides. Each token takes it if most_k."""
-        return None
+    def budget(self):  # experts a token, on average, known before the data in this mode
+        return None  # (training or evaluation); None: the data decides
 
-    def most_k(self):  # the most experts one token takes in this mode (None: no bound)
-        return None
+    most_k = budget  # the most experts one token takes in this mode (None: no bound)
+
+    def spend(self):  # experts a token takes in training on average: (least, most)
+        return self.config.top_k, self.config.top_k
 
     @staticmethod
     def draw(k, n_layers, generator=None):  # each MoE layer's k for one training step
@@ -262,6 +261,9 @@ class TopK(Router):
 class MRLTopK(TopK):
     """MRL-TopK, the paper's fine-tuning baseline: topk, each layer's k drawn a step."""
     draw, draws_k = staticmethod(mrltopk_draw), True
+
+    def spend(self):  # the mean of its draws
+        return (sum(ks := mrltopk_ks(self.config.top_k)) / len(ks),) * 2
 
 
 class SeqTopK(Router):
@@ -349,8 +351,10 @@ class WindowTopK(SeqTopK):
     def select(self, choice):
         return windowtopk_mask(choice, self.config.top_k, self.config.window_floor)
 
-    # no budget known: each token's floor on top of the windows' T*k; online, no bound
-    budget = most_k = Router.most_k
+    budget = most_k = Router.budget  # no budget known; online, no bound
+
+    def spend(self):  # the windows' T*k, each token's floor added on top (at most)
+        return self.config.top_k, self.config.top_k + self.config.window_floor
 
 
 class ReLU(Router):

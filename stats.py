@@ -97,9 +97,11 @@ class ExpertSpend:
 
 def start_line(model, device, dtype, batch_size, accumulation, world_size):
     """What a run trains: its routing or dense FFN, parameters, device and global batch."""
-    cfg = model.config
-    what = (f"{cfg.router} routing, {cfg.top_k} of {cfg.n_exp} experts per token"
-            if model.routers() else f"dense GPT (no MoE layers), FFN width "
+    cfg, routers = model.config, model.routers()
+    least, most = routers[0].spend() if routers else (0, 0)  # in training, on average
+    k = f"{least:.3g}" + (f" to {most:.3g}" if most != least else '')
+    what = (f"{cfg.router} routing, {k} of {cfg.n_exp} experts per token"
+            if routers else f"dense GPT (no MoE layers), FFN width "
             f"{cfg.mlp_dim or 4 * cfg.n_embd}")
     return (f"{what}: {model.num_params() / 1e6:.2f}M parameters, "
             f"{model.num_params(active=True) / 1e6:.2f}M active; device {device}, {dtype}"

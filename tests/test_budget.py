@@ -115,3 +115,18 @@ def test_a_router_spending_more_than_top_k_balances_over_what_its_tokens_took():
     assert mask.sum() == 9
     want = router.switch_balance(scores, mask, 9 / 4)
     torch.testing.assert_close(layer.aux_loss(logits, scores, mask, None), want)
+
+
+def test_a_router_spending_other_than_top_k_says_what_it_spends_in_the_start_line_and_params():
+    from stats import start_line
+    expert = 2 * 32 * 32  # config/tiny.py: n_embd 32, exp_dim 32: w_fc and w_proj of one expert
+    said = {}
+    for name in ('topk', 'mrltopk', 'windowtopk'):  # k=4: mrltopk draws 2 or 4, windowtopk
+        model = GPT(tiny_config(name, top_k=4, n_exp=8, window_floor=1))  # adds a floor of 1
+        said[name] = start_line(model, 'cpu', 'float32', 1, 1, 1).split(' experts')[0]
+        n_moe, idle = len(model.routers()), model.num_params() - model.num_params(active=True)
+        assert idle == round(n_moe * (8 - model.routers()[0].spend()[1]) * expert), name
+    assert said == {'topk': 'topk routing, 4 of 8', 'mrltopk': 'mrltopk routing, 3 of 8',
+                    'windowtopk': 'windowtopk routing, 4 to 5 of 8'}
+    model = GPT(tiny_config('mrltopk', top_k=4, n_exp=8))
+    assert model.num_params() - model.num_params(active=True) == len(model.routers()) * 5 * expert
