@@ -19,12 +19,17 @@ from tiny import (TINY, counting_batches, random_scores, tiny_config, train_step
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-# the longest first: -n auto gives each worker two tests, then one at a time (--maxschedchunk=1,
-# .pytest.ini; by default the first quarter of the tests went to the first worker, every long one
-# among them): gpu.sh's test and the SLURM tests (one at a time) start at once, on two workers
+# the longest first: -n auto gives each worker two tests, then one at a time (maxschedchunk 1; by
+# default the first quarter of the tests went to the first worker, every long one among them):
+# gpu.sh's test and the SLURM tests (one at a time) start at once, on two workers
 LONGEST = ['test_the_gpu_script_runs_every_part_on_the_cpu_with_tiny_sizes',
            'test_the_walkthrough_runs_top_to_bottom_and_shows_what_its_committed_copy_shows',
            'test_a_slurm_sweep_finishes_each_run_once_whatever_the_cluster_does_to_its_jobs']
+
+
+def pytest_configure(config):
+    if getattr(config.option, 'maxschedchunk', 0) is None:  # pytest-xdist's, unless given
+        config.option.maxschedchunk = 1
 
 
 def pytest_collection_modifyitems(items):
