@@ -137,7 +137,7 @@ def table(stdout):
 
 
 def test_a_sweep_run_forked_to_save_its_imports_trains_exactly_as_one_started_afresh(workdir):
-    # conftest's ForkedRun, which the sweeps below use: it must not change what a run does
+    # forked.py's ForkedRun, which the sweeps below use: it must not change what a run does
     args = ['--routers=topk,seqtopk', '--top_ks=2', '--seeds=1', '--max_iters=3', '--jobs=2',
             f'--train_args={TINY} --n_exp=4 --eval_interval=3']
     started = run('experiments/sweep.py', '--out_dir=started', *args, cwd=workdir)

@@ -61,7 +61,7 @@ NodeName=localhost CPUs={cpus} RealMemory=1000 State=UNKNOWN
 PreemptType=preempt/partition_prio
 PreemptMode=REQUEUE
 PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP PriorityTier=1 \
-PreemptMode=REQUEUE GraceTime=15
+PreemptMode=REQUEUE GraceTime=0
 PartitionName=high Nodes=localhost MaxTime=INFINITE State=UP PriorityTier=2 PreemptMode=OFF
 """
 SLURMDBD_CONF = """\
@@ -294,8 +294,9 @@ def warned_before_its_time_limit(workdir):  # SLURM's --signal=B:USR2@90, sent n
                   (1,))
 
 
-def past_its_time_limit(workdir):  # warned when less than 90 s are left: at once
-    ends_finished(workdir, 'time_limit', 800, lambda job, _: None, range(1, 10),
+def past_its_time_limit(workdir):  # warned when less than 90 s are left: at once, each start
+    # (800 steps took 4 requeues, 2 with a save, at steps 12-14 and 310-397: the slowest scenario)
+    ends_finished(workdir, 'time_limit', 300, lambda job, _: None, range(1, 10),
                   '--slurm_time=1', '--slurm_max_timeouts=9', seqtopk_stops=range(1, 10))
 
 
@@ -385,12 +386,14 @@ def test_a_slurm_sweep_finishes_each_run_once_whatever_the_cluster_does_to_its_j
 
 def test_a_slurm_sweep_s_jobs_preempted_by_a_higher_priority_job_resume_after_it(cluster,
                                                                                  workdir):
-    """A job of every CPU on partition high: both jobs on debug get SIGTERM (PreemptMode=REQUEUE,
-    GraceTime), save, go back to the queue and resume once it ends."""
+    """A job of every CPU on partition high: both jobs on debug get SIGTERM (PreemptMode=REQUEUE),
+    save, go back to the queue and resume once it ends."""
     def preempt(job, _):
         until(lambda: training(workdir / 'preempted' / 'seqtopk-k2-s1'), HANG, 'seqtopk training')
         subprocess.run(['sbatch', '-p', 'high', '-c', str(CPUS), '-o', '/dev/null', '--wrap',
                         'sleep 5'], check=True, capture_output=True)
     with cluster_for_this_test(cluster):
-        # runs long enough for SLURM to preempt them: it took 10 to 40 s here
-        ends_finished(workdir, 'preempted', 3000, preempt, (1,), seqtopk_stops=(1,))
+        # GraceTime=0 (SLURM's default): SIGTERM within a second (with a GraceTime SLURM waited
+        # for its next periodic check: 25 s here, for GraceTime 2 or 15); the runs stopped at
+        # steps 37 to 135 here
+        ends_finished(workdir, 'preempted', 600, preempt, (1,), seqtopk_stops=(1,))

@@ -19,7 +19,7 @@ def random_scores(B, T, N, seed=0, ties=False):
 
 def tiny_config(router, **kw):
     """config/tiny.py's model on a 16-token vocabulary (the counting language's)."""
-    from model import GPTConfig  # here, not above: conftest's forks import the model afresh
+    from model import GPTConfig  # here, not above: forked.py's forks import the model afresh
     shape = {k: v for k, v in runpy.run_path(TINY).items() if k in GPTConfig.__dataclass_fields__}
     return GPTConfig(router=router, **{**shape, 'vocab_size': 16, **kw})
 
