@@ -166,7 +166,7 @@ def grouped_mm_weight_grad(x: torch.Tensor, grad: torch.Tensor,
     """The gradient of grouped_mm's w: each expert's x rows, transposed, times its grad rows."""
     if grouped_kernel_ok(x.t(), grad):  # an expert without rows gets 0, whatever the kernel gives
         empty = offs.diff(prepend=offs.new_zeros(1)) == 0  # (B200: pytorch#172439)
-        return torch._grouped_mm(x.t(), grad, offs=offs).masked_fill(empty[:, None, None], 0)
+        return torch._grouped_mm(x.t(), grad, offs=offs).masked_fill_(empty[:, None, None], 0)
     out = x.new_zeros(offs.shape[0], x.shape[1], grad.shape[1])  # experts without rows: zeros
     ends = offs.tolist()
     for e, (start, end) in enumerate(zip([0] + ends[:-1], ends)):
