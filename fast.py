@@ -4,9 +4,30 @@ definition. The scripts choose them once: paths(model) is the model, sharing its
 its MoE layers running the sorted dispatch and its SeqTopK routers the online rule by counting.
 The model never imports this file; eager generation runs the plain definitions.
 
-- moe_sorted: model.moe_loop with the (token, expert) pairs sorted by expert, each expert's tokens
-  one block of rows for a grouped matmul (grouped_mm: one kernel, which compile can trace).
-- online_seqtopk_counted: router.online_seqtopk_mask for many tokens at once, by counting.
+Design choices, each with what it measured (results/README.md's section in quotes; CPU: bench's
+MoE layer, 64 experts of 128, top-8, fp32; H100: bf16; its GPU busy times and kernel counts were
+bench's before kernel_work, memcpy and overlaps counted):
+- The (token, expert) pairs sorted by expert, one block of rows each (moe_sorted): the CPU layer
+  1.56x its dense FFN, the textbook loop 2.97x ("The house refactor"); H100, eager, the same
+  shape: 2.92 ms against 42.06 ("GPU (NVIDIA H100), 2026-11-23: eager").
+- The blocks in one grouped matmul (grouped_mm, a custom op compile traces): H100 2.92 ms
+  against 11.05 for a matmul per expert (same section); the CPU's kernel is a loop, the same
+  cost: 1.57x against 1.59x ("CPU speed"). torch has no fp32 kernel for compile's fake tensors.
+- The pair count given where the budget is exact (exact_pairs: nonzero_static): no host sync,
+  the compiled training step one graph ("Compiled training step without host syncs").
+- CUDA graphs for such a step alone (graph_step): the gpu-size step 14.6 ms, 1.41x its dense
+  twin (2.30x at 4425cc8); the layer compiled without them 3.77 ms of wall for 1.13 of kernels
+  ("The GPU work on an H100").
+- On a GPU, each token's k outputs summed from k slots written once (no index_add_ atomics):
+  ~9% under compile in nanochat's moe.py, not measured alone here. The CPU keeps index_add_.
+- The gate on the narrower of h and y ((g h) W = g (h W)); the gather by index_select (its
+  backward an index_add_): with the gate after w_proj, x[token] and the slots on the CPU too, the
+  CPU layer lost 33%, 2.03x against 1.53x ("The GPU work on the CPU: before and after").
+- SeqTopK's online rule by counting (online_seqtopk_counted): 164 ms against 428 token by token
+  at a 960-token context, CPU ("The plain-sight refactor").
+- torch's own grouped matmul and autograd on capability 9.x in bf16 (native_grouped_mm): the
+  compiler sees the op; not measured alone. B200's kernel gives an expert without rows a weight
+  gradient (pytorch#172439): grouped_mm_weight_grad zeroes it.
 """
 import copy
 import functools
@@ -150,8 +171,7 @@ def grouped_kernel_ok(*mats):
     return hasattr(torch, '_grouped_mm') and all(ok(m) for m in mats)
 
 
-# A custom op with its gradient, so that torch.compile traces through it: torch._grouped_mm has
-# no fp32 CPU kernel for compile's fake tensors, and the loop (where the kernel cannot run) syncs.
+# A custom op with its gradient, which torch.compile traces (the docstring above).
 @torch.library.custom_op('seqmoe::grouped_mm', mutates_args=())
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """expert_loop in one kernel: x (P, C) grouped by expert, w (N, C, H) -> (P, H)."""
@@ -167,11 +187,8 @@ def grouped_mm_weight_grad(x: torch.Tensor, grad: torch.Tensor,
     if grouped_kernel_ok(x.t(), grad):  # an expert without rows gets 0, whatever the kernel gives
         empty = offs.diff(prepend=offs.new_zeros(1)) == 0  # (B200: pytorch#172439)
         return torch._grouped_mm(x.t(), grad, offs=offs).masked_fill_(empty[:, None, None], 0)
-    out = x.new_zeros(offs.shape[0], x.shape[1], grad.shape[1])  # experts without rows: zeros
-    ends = offs.tolist()
-    for e, (start, end) in enumerate(zip([0] + ends[:-1], ends)):
-        torch.mm(x[start:end].t(), grad[start:end], out=out[e])
-    return out
+    rows = offs.diff(prepend=offs.new_zeros(1)).tolist()  # experts without rows: zeros
+    return torch.stack([x_e.t() @ g_e for x_e, g_e in zip(x.split(rows), grad.split(rows))])
 
 
 grouped_mm.register_fake(lambda x, w, offs: x.new_empty(x.shape[0], w.shape[2]))
