@@ -4,30 +4,27 @@ definition. The scripts choose them once: paths(model) is the model, sharing its
 its MoE layers running the sorted dispatch and its SeqTopK routers the online rule by counting.
 The model never imports this file; eager generation runs the plain definitions.
 
-Design choices, each with what it measured (results/README.md's section in quotes; CPU: bench's
-MoE layer, 64 experts of 128, top-8, fp32; H100: bf16; its GPU busy times and kernel counts were
-bench's before kernel_work, memcpy and overlaps counted):
-- The (token, expert) pairs sorted by expert, one block of rows each (moe_sorted): the CPU layer
-  1.56x its dense FFN, the textbook loop 2.97x ("The house refactor"); H100, eager, the same
-  shape: 2.92 ms against 42.06 ("GPU (NVIDIA H100), 2026-11-23: eager").
-- The blocks in one grouped matmul (grouped_mm, a custom op compile traces): H100 2.92 ms
-  against 11.05 for a matmul per expert (same section); the CPU's kernel is a loop, the same
-  cost: 1.57x against 1.59x ("CPU speed"). torch has no fp32 kernel for compile's fake tensors.
-- The pair count given where the budget is exact (exact_pairs: nonzero_static): no host sync,
-  the compiled training step one graph ("Compiled training step without host syncs").
-- CUDA graphs for such a step alone (graph_step): the gpu-size step 14.6 ms, 1.41x its dense
-  twin (2.30x at 4425cc8); the layer compiled without them 3.77 ms of wall for 1.13 of kernels
-  ("The GPU work on an H100").
-- On a GPU, each token's k outputs summed from k slots written once (no index_add_ atomics):
-  ~9% under compile in nanochat's moe.py, not measured alone here. The CPU keeps index_add_.
-- The gate on the narrower of h and y ((g h) W = g (h W)); the gather by index_select (its
-  backward an index_add_): with the gate after w_proj, x[token] and the slots on the CPU too, the
-  CPU layer lost 33%, 2.03x against 1.53x ("The GPU work on the CPU: before and after").
-- SeqTopK's online rule by counting (online_seqtopk_counted): 164 ms against 428 token by token
-  at a 960-token context, CPU ("The plain-sight refactor").
-- torch's own grouped matmul and autograd on capability 9.x in bf16 (native_grouped_mm): the
-  compiler sees the op; not measured alone. B200's kernel gives an expert without rows a weight
-  gradient (pytorch#172439): grouped_mm_weight_grad zeroes it.
+Design choices, measured (results/README.md's section in quotes; CPU: bench's 64/8 MoE layer,
+fp32; H100: bf16; GPU busy and kernel counts there predate kernel_work, which counts kernels alone):
+- Pairs sorted by expert, a block of rows each (moe_sorted): the CPU layer 1.56x its dense FFN,
+  the textbook loop 2.97x ("The house refactor"); H100 eager 2.92 ms, the textbook loop 42.06.
+- One grouped matmul for the blocks (grouped_mm, a custom op compile traces): H100 2.92 ms, a
+  matmul per expert 11.05 ("GPU (NVIDIA H100), 2026-11-23: eager"); CPU 1.57x and 1.59x ("CPU
+  speed"). torch's own op has no fp32 kernel for compile's fake tensors.
+- The pair count where the budget is exact (exact_pairs: nonzero_static): no host sync, so the
+  compiled training step is one graph ("Compiled training step without host syncs"), and
+- CUDA graphs for it (graph_step): the gpu-size step 1.41x its dense twin, 2.30x at 4425cc8; the
+  layer compiled without them 3.77 ms of wall for 1.13 of kernels ("The GPU work on an H100").
+- A GPU sums a token's k outputs from k slots written once, no atomics: ~9% compiled in
+  nanochat's moe.py, not measured here; the CPU keeps index_add_ (no atomics there).
+- The gate on the narrower of h and y ((g h) W = g (h W)), the gather by index_select: the gate
+  after w_proj, x[token] and the slots cost the CPU layer 33% together, 2.03x against 1.53x
+  ("The GPU work on the CPU: before and after").
+- SeqTopK's online rule by counting (online_seqtopk_counted): 164 ms, 428 token by token, at a
+  960-token context on the CPU ("The plain-sight refactor").
+- torch's grouped matmul and autograd on capability 9.x in bf16 (native_grouped_mm): the compiler
+  sees the op; not measured alone. B200 gives an expert without rows a weight gradient
+  (pytorch#172439): grouped_mm_weight_grad zeroes it.
 """
 import copy
 import functools
