@@ -10,7 +10,7 @@ fp32; H100: bf16; GPU busy and kernel counts there predate kernel_work, which co
   the textbook loop 2.97x ("The house refactor"); H100 eager 2.92 ms, the textbook loop 42.06.
 - One grouped matmul for the blocks (grouped_mm, a custom op compile traces): H100 2.92 ms, a
   matmul per expert 11.05 ("GPU (NVIDIA H100), 2026-11-23: eager"); CPU 1.57x and 1.59x ("CPU
-  speed"). torch's own op has no fp32 kernel for compile's fake tensors.
+  speed"). torch's own op traces in bf16 only (its meta kernel: compile's fake tensors).
 - The pair count where the budget is exact (exact_pairs: nonzero_static): no host sync, so the
   compiled training step is one graph ("Compiled training step without host syncs"), and
 - CUDA graphs for it (graph_step): the gpu-size step 1.41x its dense twin, 2.30x at 4425cc8; the
