@@ -145,6 +145,12 @@ def ratio(times, name, base):
     return statistics.median(ratios), f"{low:.2f}-{high:.2f}"
 
 
+def compare(fns, base, rounds=None):
+    """{name: (median seconds, median of its time / base's in each round, their middle half)}."""
+    times = in_turns(fns, rounds)
+    return {name: (statistics.median(t), *ratio(times, name, base)) for name, t in times.items()}
+
+
 def kernel_work(events):
     """The CUDA kernels' busy time (µs: the union of their intervals, overlaps once) and count,
     from profiler events (name, start µs, duration µs, kind): memcpy and memset apart."""
@@ -195,8 +201,8 @@ def bench_route(results):
     table("Routing: scores (16 x 128 tokens x N experts) -> mask, one call",
           "experts | router (path) | µs / call | vs topk")
     for n_exp, k in ((8, 2), (64, 8)):
-        gen = torch.Generator().manual_seed(seed)
-        logits = torch.randn(16, 128, n_exp, generator=gen).to(device)
+        logits = torch.randn(16, 128, n_exp, generator=torch.Generator().manual_seed(seed))
+        logits = logits.to(device)
         scores = logits.softmax(-1)
         paths = {'topk': lambda: topk_mask(scores, k),
                  'seqtopk (training: offline)': lambda: seqtopk_mask(scores, k),
@@ -206,13 +212,13 @@ def bench_route(results):
                  'batchtopk (evaluation: threshold)': lambda: scores > 1 / n_exp,
                  'relu': lambda: F.relu(logits) > 0}
         with torch.no_grad():
-            times = in_turns({name: (lambda fn: lambda: [fn() for _ in range(20)])(fn)
-                              for name, fn in paths.items()})
-        for name in paths:
-            us, vs_topk = statistics.median(times[name]) / 20 * 1e6, ratio(times, name, 'topk')[0]
+            timing = compare({name: (lambda fn: lambda: [fn() for _ in range(20)])(fn)
+                              for name, fn in paths.items()}, 'topk')
+        for name, (seconds, ratio, _) in timing.items():
+            us = seconds / 20 * 1e6
             results['route'].append(dict(n_exp=n_exp, top_k=k, path=name, us_per_call=us,
-                                         ratio_vs_topk=vs_topk))
-            print(f"| {n_exp}, top-{k} | {name} | {us:.0f} | {vs_topk:.2f} |")
+                                         ratio_vs_topk=ratio))
+            print(f"| {n_exp}, top-{k} | {name} | {us:.0f} | {ratio:.2f} |")
 
 
 def bench_train(results, gpu):
