@@ -151,17 +151,30 @@ def compare(fns, base, rounds=None):
     return {name: (statistics.median(t), *ratio(times, name, base)) for name, t in times.items()}
 
 
+def kernel_work(events):
+    """The CUDA kernels' busy time (µs: the union of their intervals, overlaps once) and count,
+    from profiler events (name, start µs, duration µs, kind): memcpy and memset apart."""
+    spans = sorted((s, s + d) for name, s, d, kind in events if kind == 'kernel' or kind is None
+                   and not name.startswith(('Memcpy', 'Memset')))  # None: by the name
+    busy, end = 0.0, float('-inf')
+    for start, stop in spans:  # in start order: the part past the union so far is new
+        busy, end = busy + max(0.0, stop - max(start, end)), max(end, stop)
+    return busy, len(spans)
+
+
 def device_work(run, calls):
     """The GPU's busy time (s) and the kernels it ran, per call, over one run() of `calls` calls
-    (the profiler's kernel events, whose launches CUDA graphs save); on the CPU, None, None."""
+    (kernel_work: CUDA graphs save their launches, not their kernels); on the CPU, None, None."""
     if device_type != 'cuda':
         return None, None
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         run()
         torch.cuda.synchronize()
-    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
-    return sum(e.time_range.elapsed_us() for e in kernels) / 1e6 / calls, len(kernels) / calls
+    busy, kernels = kernel_work((e.name, e.time_range.start, e.time_range.elapsed_us(),
+                                 getattr(e, 'activity_type', None))  # None: an older torch
+                                for e in prof.events() if e.device_type == DeviceType.CUDA)
+    return busy / 1e6 / calls, kernels / calls
 
 
 def way_list():

@@ -4,9 +4,27 @@ definition. The scripts choose them once: paths(model) is the model, sharing its
 its MoE layers running the sorted dispatch and its SeqTopK routers the online rule by counting.
 The model never imports this file; eager generation runs the plain definitions.
 
-- moe_sorted: model.moe_loop with the (token, expert) pairs sorted by expert, each expert's tokens
-  one block of rows for a grouped matmul (grouped_mm: one kernel, which compile can trace).
-- online_seqtopk_counted: router.online_seqtopk_mask for many tokens at once, by counting.
+Design choices, measured (results/README.md's section in quotes; CPU: bench's 64/8 MoE layer,
+fp32; H100: bf16; GPU busy and kernel counts there predate kernel_work, which counts kernels alone):
+- Pairs sorted by expert, a block of rows each (moe_sorted): the CPU layer 1.56x its dense FFN,
+  the textbook loop 2.97x ("The house refactor"); H100 eager 2.92 ms, the textbook loop 42.06.
+- One grouped matmul for the blocks (grouped_mm, a custom op compile traces): H100 2.92 ms, a
+  matmul per expert 11.05 ("GPU (NVIDIA H100), 2026-11-23: eager"); CPU 1.57x and 1.59x ("CPU
+  speed"). torch's own op traces in bf16 only (its meta kernel: compile's fake tensors).
+- The pair count where the budget is exact (exact_pairs: nonzero_static): no host sync, so the
+  compiled training step is one graph ("Compiled training step without host syncs"), and
+- CUDA graphs for it (graph_step): the gpu-size step 1.41x its dense twin, 2.30x at 4425cc8; the
+  layer compiled without them 3.77 ms of wall for 1.13 of kernels ("The GPU work on an H100").
+- A GPU sums a token's k outputs from k slots written once, no atomics: ~9% compiled in
+  nanochat's moe.py, not measured here; the CPU keeps index_add_ (no atomics there).
+- The gate on the narrower of h and y ((g h) W = g (h W)), the gather by index_select: the gate
+  after w_proj, x[token] and the slots cost the CPU layer 33% together, 2.03x against 1.53x
+  ("The GPU work on the CPU: before and after").
+- SeqTopK's online rule by counting (online_seqtopk_counted): 164 ms, 428 token by token, at a
+  960-token context on the CPU ("The plain-sight refactor").
+- torch's grouped matmul and autograd on capability 9.x in bf16 (native_grouped_mm): the compiler
+  sees the op; not measured alone. B200 gives an expert without rows a weight gradient
+  (pytorch#172439): grouped_mm_weight_grad zeroes it.
 """
 import copy
 import functools
@@ -149,8 +167,7 @@ def grouped_kernel_ok(*mats):
     return hasattr(torch, '_grouped_mm') and all(ok(m) for m in mats)
 
 
-# A custom op with its gradient, so that torch.compile traces through it: torch._grouped_mm has
-# no fp32 CPU kernel for compile's fake tensors, and the loop (where the kernel cannot run) syncs.
+# A custom op with its gradient, which torch.compile traces (the docstring above).
 @torch.library.custom_op('seqmoe::grouped_mm', mutates_args=())
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """expert_loop in one kernel: x (P, C) grouped by expert, w (N, C, H) -> (P, H)."""
@@ -165,12 +182,9 @@ def grouped_mm_weight_grad(x: torch.Tensor, grad: torch.Tensor,
     """The gradient of grouped_mm's w: each expert's x rows, transposed, times its grad rows."""
     if grouped_kernel_ok(x.t(), grad):  # an expert without rows gets 0, whatever the kernel gives
         empty = offs.diff(prepend=offs.new_zeros(1)) == 0  # (B200: pytorch#172439)
-        return torch._grouped_mm(x.t(), grad, offs=offs).masked_fill(empty[:, None, None], 0)
-    out = x.new_zeros(offs.shape[0], x.shape[1], grad.shape[1])  # experts without rows: zeros
-    ends = offs.tolist()
-    for e, (start, end) in enumerate(zip([0] + ends[:-1], ends)):
-        torch.mm(x[start:end].t(), grad[start:end], out=out[e])
-    return out
+        return torch._grouped_mm(x.t(), grad, offs=offs).masked_fill_(empty[:, None, None], 0)
+    rows = offs.diff(prepend=offs.new_zeros(1)).tolist()  # experts without rows: zeros
+    return torch.stack([x_e.t() @ g_e for x_e, g_e in zip(x.split(rows), grad.split(rows))])
 
 
 grouped_mm.register_fake(lambda x, w, offs: x.new_empty(x.shape[0], w.shape[2]))

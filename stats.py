@@ -81,7 +81,7 @@ class ExpertSpend:
 
     def add(self, routing, n_tokens):  # one training forward's routing, n_tokens per layer
         if routing:
-            self.pairs += sum(mask.sum() for mask, _ in routing)
+            self.pairs += torch.stack([mask for mask, _ in routing]).sum()  # 3 kernels, not 2L+1
             self.tokens += n_tokens * len(routing)
 
     def per_token(self):
