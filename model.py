@@ -220,7 +220,7 @@ class GPT(nn.Module):
             torch.nn.init.zeros_(module.bias)
 
     def num_params(self, active=False):
-        """Parameters but position embeddings; active=True: a token's experts (Router.spend)."""
+        """Parameters but position embeddings; active=True: a token's experts, at most (spend)."""
         n = sum(p.numel() for name, p in self.named_parameters() if 'wpe' not in name)
         if active:
             k, c = max([r.spend()[1] for r in self.routers()], default=0), self.config
