@@ -32,12 +32,6 @@ def pytest_configure(config):
         config.option.maxschedchunk = 1
 
 
-def pytest_xdist_auto_num_workers(config):
-    """-n auto: two workers a core: most tests spend much of their time waiting on the processes
-    they start (scripts, SLURM's jobs, gpu.sh's parts), a core idle meanwhile."""
-    return 2 * len(os.sched_getaffinity(0))
-
-
 def pytest_collection_modifyitems(items):
     """The tests marked long first, LONGEST's first of all, then the last collected: a worker
     starts each while the others work through the short ones, not alone at the end."""
