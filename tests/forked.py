@@ -83,7 +83,8 @@ class ForkedRun(FORKS.Process):
     """subprocess.Popen's part that sweep.py uses, for a train.py run: a fork of the forkserver in
     a session of its own, stdout and stderr to the log Popen was given."""
 
-    def __init__(self, cmd, stdout, **_):
+    def __init__(self, cmd, stdout, stderr, start_new_session, **_):
+        assert stderr == subprocess.STDOUT and start_new_session, cmd  # what sweep.py passes
         super().__init__(target=python_in_fork, args=(cmd[1:], os.getcwd(), dict(os.environ),
                                                       stdout.name, stdout.name, os.setsid))
         self.start()
