@@ -294,9 +294,41 @@ def warned_before_its_time_limit(workdir):  # SLURM's --signal=B:USR2@90, sent n
                   (1,))
 
 
+def warned(workdir, name, *runs):
+    """Each run paused (SIGSTOP) from its first step until SLURM's next warning before the time
+    limit reaches its job: runs longer than their time limit on any machine (slurmctld checks time
+    limits every 30 s, time enough for a tiny run to finish, or to be warned before its first step,
+    its train.py killed while it starts and started again)."""
+    def act(*_):
+        paused, waiting = {}, set(runs)
+
+        def each_warned():
+            for run in runs:
+                if run not in paused and (job := training(workdir / name / run)):
+                    log = workdir / name / 'slurm' / f'{job}_0_log.err'
+                    warnings = log.read_text().count('Caught signal SIGUSR2')  # before the pause
+                    pids = processes(f'--out_dir={name}/{run}')
+                    send(pids, signal.SIGSTOP)
+                    assert records(workdir / name / run)[-1]['event'] != 'done', run
+                    paused[run] = log, warnings, pids
+            for run, (log, warnings, pids) in paused.items():
+                if run in waiting and log.read_text().count('Caught signal SIGUSR2') > warnings:
+                    send(pids, signal.SIGCONT)
+                    waiting.remove(run)
+            return not waiting
+        until(each_warned, HANG, f'{name}: the warnings')
+    return act
+
+
+def send(pids, sig):
+    for pid in pids:
+        with contextlib.suppress(OSError):  # ended meanwhile
+            os.kill(pid, sig)
+
+
 def past_its_time_limit(workdir):  # warned when less than 90 s are left: at once, each start
-    # (800 steps took 4 requeues, 2 with a save, at steps 12-14 and 310-397: the slowest scenario)
-    ends_finished(workdir, 'time_limit', 300, lambda job, _: None, range(1, 10),
+    ends_finished(workdir, 'time_limit', 300, warned(workdir, 'time_limit', 'topk-k2-s1',
+                                                     'seqtopk-k2-s1'), range(1, 10),
                   '--slurm_time=1', '--slurm_max_timeouts=9', seqtopk_stops=range(1, 10))
 
 
@@ -307,7 +339,7 @@ def sweep_to_the_end(workdir):
 def fails(workdir, name, stopped, why, *extra):
     """The sweep exits 1 with one line naming the run that failed and why; the other run
     stopped (saved), finished first, or had not started."""
-    started = acted(workdir, name, 800, stopped, *extra)
+    started = acted(workdir, name, 300, stopped, *extra)
     assert started.returncode == 1, started.err
     assert re.fullmatch(rf'error: the run in {name}/\S+ failed \(job \d+: {why}\); see \S+\.out',
                         started.err.strip().splitlines()[-1]), started.err
@@ -338,7 +370,7 @@ def a_job_fails(workdir):  # its process killed (by the kernel's OOM killer, say
 
 
 def past_its_time_limit_once_too_often(workdir):
-    fails(workdir, 'timed_out', lambda job, _: None,
+    fails(workdir, 'timed_out', warned(workdir, 'timed_out', 'topk-k2-s1'),
           r'submitit\S*UncompletedJobError: Job not requeued because: timed-out too many times\.',
           '--slurm_time=1', '--slurm_max_timeouts=0')
 
