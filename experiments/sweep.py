@@ -195,8 +195,9 @@ class Job:
             if self.stopped:  # the sweep stopped while it started
                 self.stop()
             code = self.proc.wait()
-        if code == 0 and in_slurm and self.last_event() == 'stopped':  # saved, stopped
-            self.requeue()  # the cluster's SIGTERM (requeued, preempted), not the sweep's stop
+        if in_slurm and (code == 0 and self.last_event() == 'stopped' or code == -15):
+            self.requeue()  # the cluster's SIGTERM (requeued, preempted), not the sweep's stop:
+            # saved and stopped, or killed as it started (before train.py listens for it)
         return code
 
     def last_event(self):  # of the run's log (in a job the sweep's modules are not importable)

@@ -556,6 +556,32 @@ def test_a_slurm_sweep_without_submitit_says_how_to_install_it(workdir):
         "error: --launcher=slurm needs submitit: pip install submitit"
 
 
+@pytest.mark.parametrize('ends, last_event, requeued', [
+    ('os.kill(os.getpid(), signal.SIGTERM)', None, True),  # killed as it started
+    ('', 'stopped', True), ('', 'done', False), ('sys.exit(1)', 'stopped', False),
+    ('os.kill(os.getpid(), signal.SIGKILL)', None, False)])  # the OOM killer: it would again
+def test_in_a_slurm_job_a_run_the_cluster_s_sigterm_stopped_goes_back_to_the_queue(
+        tmp_path, monkeypatch, ends, last_event, requeued):
+    # the SIGTERM of a requeue, a preemption or the time limit: train.py saved and stopped, or
+    # killed before it listened for it (the time limit's warning, its requeue as train.py started:
+    # tests/test_slurm.py); submitit's own requeue can be lost as train.py is forked
+    import signal
+    import subprocess
+    import sys
+
+    import sweep as sweep_py
+    monkeypatch.setenv('SUBMITIT_EXECUTOR', 'slurm')
+    monkeypatch.setattr(sweep_py.Job, 'requeue', lambda job: calls.append(job.folder))
+    monkeypatch.setattr(signal, 'signal', lambda *_: None)  # pytest's own handlers stay
+    folder, calls = str(tmp_path / 'run'), []
+    os.makedirs(folder)
+    if last_event:
+        open(os.path.join(folder, 'log.jsonl'), 'w').write(json.dumps(dict(event=last_event)))
+    code = sweep_py.Job([sys.executable, '-c', f'import os, signal, sys\n{ends}'], folder, True)()
+    assert (code, calls) == (subprocess.run([sys.executable, '-c', 'import os, signal, sys\n'
+                                             + ends]).returncode, [folder] if requeued else [])
+
+
 # -----------------------------------------------------------------------------
 # reruns that could mix: a sweep reuses a run only as it would make it now, one sweep an out_dir
 
