@@ -252,11 +252,13 @@ def cluster_for_this_test(root):
 
 
 def acted(workdir, name, max_iters, act, *extra):
-    """A sweep in workdir/name; act(job id, sweep) once its topk run trains; its process, ended
-    (its stdout and stderr in .out, .err)."""
+    """A sweep in workdir/name; act(job id, sweep) once its topk run trains (an act whose
+    `from_start` is set: act(None, sweep) at once); its process, ended (its stdout and stderr in
+    .out, .err)."""
     started = start_sweep(workdir, sweep_args(name, max_iters, *extra))
     run = workdir / name / 'topk-k2-s1'
-    job = until(lambda: training(run) or started.poll() is not None, HANG, f'{name}: training')
+    job = None if getattr(act, 'from_start', False) else until(
+        lambda: training(run) or started.poll() is not None, HANG, f'{name}: training')
     if job is not True:
         act(job, started)
     started.out, started.err = started.communicate(timeout=HANG)
@@ -280,43 +282,77 @@ def scancel(*args):
     subprocess.run(['scancel', *args], check=True)
 
 
+def mid_run(workdir, name, act, *runs):
+    """act(job, sweep) with train.py paused (SIGSTOP) until what act does reaches it (it runs
+    again, or a SIGTERM waits for it): topk's at once, each of runs' once it trains. Mid-run
+    however fast the machine, and with few steps."""
+    def paused(job, sweep):
+        pids = []
+        for run in ('topk-k2-s1', *runs):
+            until(lambda: training(workdir / name / run), HANG, f'{name}/{run}: training')
+            pids += processes(f'--out_dir={name}/{run}')
+            send(pids, signal.SIGSTOP)
+            assert records(workdir / name / run)[-1]['event'] != 'done', run
+        try:
+            act(job, sweep)
+            until(lambda: all(map(reached, pids)), HANG, f'{name}: the signal')
+        finally:
+            send(pids, signal.SIGCONT)
+    return paused
+
+
+def reached(pid):  # a paused process runs again, or a SIGTERM waits for it, or it ended
+    with contextlib.suppress(OSError):
+        status = dict(line.split(':\t', 1) for line in open(f'/proc/{pid}/status').read()
+                      .splitlines() if ':\t' in line)
+        waiting = int(status['SigPnd'], 16) | int(status['ShdPnd'], 16)
+        return status['State'][0] != 'T' or bool(waiting >> (signal.SIGTERM - 1) & 1)
+    return True
+
+
 def requeued(workdir):  # as a preemption with PreemptMode=REQUEUE does it
-    ends_finished(workdir, 'requeued', 300, lambda job, _: scontrol('requeue', job), (1,))
+    ends_finished(workdir, 'requeued', 100,
+                  mid_run(workdir, 'requeued', lambda job, _: scontrol('requeue', job)), (1,))
 
 
 def term_to_every_process(workdir):  # the batch script, submitit's process and train.py
-    ends_finished(workdir, 'term_full', 300,
-                  lambda job, _: scancel('--signal=TERM', '--full', job), (1,))
+    ends_finished(workdir, 'term_full', 100, mid_run(
+        workdir, 'term_full', lambda job, _: scancel('--signal=TERM', '--full', job)), (1,))
 
 
 def warned_before_its_time_limit(workdir):  # SLURM's --signal=B:USR2@90, sent now
-    ends_finished(workdir, 'usr2', 300, lambda job, _: scancel('--batch', '--signal=USR2', job),
-                  (1,))
+    ends_finished(workdir, 'usr2', 100, mid_run(
+        workdir, 'usr2', lambda job, _: scancel('--batch', '--signal=USR2', job)), (1,))
 
 
 def warned(workdir, name, *runs):
-    """Each run paused (SIGSTOP) from its first step until SLURM's next warning before the time
-    limit reaches its job: runs longer than their time limit on any machine (slurmctld checks time
-    limits every 30 s, time enough for a tiny run to finish, or to be warned before its first step,
-    its train.py killed while it starts and started again)."""
-    def act(*_):
-        paused, waiting = {}, set(runs)
+    """An act from the sweep's start: each run paused (SIGSTOP) from its first step until SLURM's
+    warning before the time limit reaches that start of its job. Runs longer than their time
+    limit on any machine: slurmctld checks time limits every 30 s, time enough for a tiny run to
+    finish, or to be warned before its first step (its train.py killed as it starts, started
+    again)."""
+    def act(_, sweep):
+        paused = {}
 
         def each_warned():
             for run in runs:
                 if run not in paused and (job := training(workdir / name / run)):
-                    log = workdir / name / 'slurm' / f'{job}_0_log.err'
-                    warnings = log.read_text().count('Caught signal SIGUSR2')  # before the pause
                     pids = processes(f'--out_dir={name}/{run}')
                     send(pids, signal.SIGSTOP)
                     assert records(workdir / name / run)[-1]['event'] != 'done', run
-                    paused[run] = log, warnings, pids
-            for run, (log, warnings, pids) in paused.items():
-                if run in waiting and log.read_text().count('Caught signal SIGUSR2') > warnings:
+                    paused[run] = workdir / name / 'slurm' / f'{job}_0_log.out', pids
+            warned = set()
+            for run, (log, pids) in paused.items():  # each start of a job, warned once
+                said = log.read_text()
+                if said.count('Caught signal SIGUSR2') >= said.count('Starting with'):
                     send(pids, signal.SIGCONT)
-                    waiting.remove(run)
-            return not waiting
-        until(each_warned, HANG, f'{name}: the warnings')
+                    warned.add(run)
+            return warned == set(runs) or sweep.poll() is not None
+        try:
+            until(each_warned, HANG, f'{name}: the warnings')
+        finally:
+            send([pid for _, pids in paused.values() for pid in pids], signal.SIGCONT)
+    act.from_start = True
     return act
 
 
@@ -327,7 +363,7 @@ def send(pids, sig):
 
 
 def past_its_time_limit(workdir):  # warned when less than 90 s are left: at once, each start
-    ends_finished(workdir, 'time_limit', 300, warned(workdir, 'time_limit', 'topk-k2-s1',
+    ends_finished(workdir, 'time_limit', 100, warned(workdir, 'time_limit', 'topk-k2-s1',
                                                      'seqtopk-k2-s1'), range(1, 10),
                   '--slurm_time=1', '--slurm_max_timeouts=9', seqtopk_stops=range(1, 10))
 
@@ -339,7 +375,7 @@ def sweep_to_the_end(workdir):
 def fails(workdir, name, stopped, why, *extra):
     """The sweep exits 1 with one line naming the run that failed and why; the other run
     stopped (saved), finished first, or had not started."""
-    started = acted(workdir, name, 300, stopped, *extra)
+    started = acted(workdir, name, 100, stopped, *extra)
     assert started.returncode == 1, started.err
     assert re.fullmatch(rf'error: the run in {name}/\S+ failed \(job \d+: {why}\); see \S+\.out',
                         started.err.strip().splitlines()[-1]), started.err
@@ -366,7 +402,8 @@ def a_job_fails(workdir):  # its process killed (by the kernel's OOM killer, say
             with contextlib.suppress(OSError):
                 stat = open(f'/proc/{pid}/stat').read()
                 return os.kill(int(stat.rsplit(')', 1)[1].split()[1]), signal.SIGKILL)
-    fails(workdir, 'a_job_fails', kill_job, r'ended with no result \(FAILED\)')
+    fails(workdir, 'a_job_fails', mid_run(workdir, 'a_job_fails', kill_job),
+          r'ended with no result \(FAILED\)')
 
 
 def past_its_time_limit_once_too_often(workdir):
@@ -378,25 +415,24 @@ def past_its_time_limit_once_too_often(workdir):
 def killed_and_run_again(workdir):  # the same command finds the jobs the killed sweep left
     def kill(job, sweep):  # once both runs train: stopped (SIGSTOP: they cannot end meanwhile,
         # their jobs still RUNNING to SLURM), the sweep killed
+        send(processes('--out_dir=killed/topk-k2-s1'), signal.SIGSTOP)
         until(lambda: training(workdir / 'killed' / 'seqtopk-k2-s1'), HANG, 'seqtopk')
-        for pid in processes('--out_dir=killed/'):
-            os.kill(pid, signal.SIGSTOP)
+        send(processes('--out_dir=killed/'), signal.SIGSTOP)
         sweep.kill()
-    acted(workdir, 'killed', 300, kill)
-    again = start_sweep(workdir, sweep_args('killed', 300))
+    acted(workdir, 'killed', 100, kill)
+    again = start_sweep(workdir, sweep_args('killed', 100))
     said = []
     while len([line for line in said if 'waiting for job ' in line]) < 2:
         said.append(again.stdout.readline())
         if not said[-1] or ' $ ' in said[-1]:  # it ended, or submitted a job again
             break
-    for pid in processes('--out_dir=killed/'):
-        os.kill(pid, signal.SIGCONT)
+    send(processes('--out_dir=killed/'), signal.SIGCONT)
     out, err = again.communicate(timeout=HANG)
     out = ''.join(said) + out
     assert again.returncode == 0, err
     assert out.count('waiting for job ') == 2 and ' $ ' not in out, out  # nothing submitted
     for run in ('topk-k2-s1', 'seqtopk-k2-s1'):
-        finished_once(workdir / 'killed' / run, 300, (0,))
+        finished_once(workdir / 'killed' / run, 100, (0,))
 
 
 SCENARIOS = [sweep_to_the_end, requeued, term_to_every_process, warned_before_its_time_limit,
@@ -409,8 +445,11 @@ def test_a_slurm_sweep_finishes_each_run_once_whatever_the_cluster_does_to_its_j
     with cluster_for_this_test(cluster), ThreadPoolExecutor(len(SCENARIOS)) as pool:
         t0 = time.time()
         futures = {s.__name__: pool.submit(s, workdir) for s in SCENARIOS}
+        for future in futures.values():  # each says when it ended
+            future.add_done_callback(lambda f, t0=t0: setattr(f, 'took', time.time() - t0))
         failed = {name: f.exception() for name, f in futures.items() if f.exception()}
-        print(f"{len(SCENARIOS)} scenarios in {time.time() - t0:.0f} s")
+        print(f"{len(SCENARIOS)} scenarios in {time.time() - t0:.0f} s: " + ', '.join(
+            f"{name} {f.took:.0f} s" for name, f in futures.items()))
         for name, error in failed.items():
             print(f"{name}: {str(error).splitlines()[0]}")
     assert not failed, ', '.join(failed)
@@ -421,11 +460,10 @@ def test_a_slurm_sweep_s_jobs_preempted_by_a_higher_priority_job_resume_after_it
     """A job of every CPU on partition high: both jobs on debug get SIGTERM (PreemptMode=REQUEUE),
     save, go back to the queue and resume once it ends."""
     def preempt(job, _):
-        until(lambda: training(workdir / 'preempted' / 'seqtopk-k2-s1'), HANG, 'seqtopk training')
         subprocess.run(['sbatch', '-p', 'high', '-c', str(CPUS), '-o', '/dev/null', '--wrap',
                         'sleep 5'], check=True, capture_output=True)
     with cluster_for_this_test(cluster):
         # GraceTime=0 (SLURM's default): SIGTERM within a second (with a GraceTime SLURM waited
-        # for its next periodic check: 25 s here, for GraceTime 2 or 15); the runs stopped at
-        # steps 37 to 135 here
-        ends_finished(workdir, 'preempted', 600, preempt, (1,), seqtopk_stops=(1,))
+        # for its next periodic check: 25 s here, for GraceTime 2 or 15)
+        ends_finished(workdir, 'preempted', 100, mid_run(workdir, 'preempted', preempt,
+                                                         'seqtopk-k2-s1'), (1,), seqtopk_stops=(1,))
