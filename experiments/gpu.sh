@@ -29,8 +29,8 @@ out=${1:?usage: bash experiments/gpu.sh OUT_DIR [--cpu]}
 root=$(cd "$(dirname "$0")/.." && pwd)
 mkdir -p "$out"
 # a part its timeout kills mid-compile can leave a broken entry in the compile cache: each run
-# compiles into a cache of its own
-export TORCHINDUCTOR_CACHE_DIR=$(mktemp -d)
+# compiles into a cache of its own, unless TORCHINDUCTOR_CACHE_DIR names one (the tests' own)
+export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$(mktemp -d)}
 if [ -d wheels ]; then pip install -q --no-index wheels/*.whl > "$out/wheels.log" 2>&1; fi
 : > "$out/summary.txt"
 scale=${GPU_SH_SCALE:-1}  # the parts' limits x scale (a test sets GPU_SH_SCALE)

@@ -188,7 +188,7 @@ def made_before(script, args, trained, tmp_path):
 
 
 def test_every_command_in_the_docs_passes_its_script_s_settings_check(monkeypatch, tmp_path):
-    import configurator  # here, not above: as HANG (checked_at)
+    import configurator  # here, not above: as forked (checked_at)
     monkeypatch.setattr(sys, 'argv', sys.argv)  # each check sets it; restored after
     # a script's settings block read once (a sweep checks each run's: 100 reads of train.py's)
     monkeypatch.setattr(configurator, 'settings_block',
@@ -232,25 +232,24 @@ def test_every_setting_readme_names_with_a_value_is_one_a_script_accepts(monkeyp
 def checked_at(commit, runs, tree):
     """The commands of runs [(folder, script, args, line)] checked against commit's scripts, in a
     python started in its tree (its own modules): this file run as a script."""
-    from conftest import HANG  # here, not above: this file is also that python's script
+    from forked import python  # here, not above: this file is also that python's script
     tree.mkdir()
     files = subprocess.run(['git', '-C', REPO, 'archive', commit, '--', '*.py'],
                            capture_output=True, check=True).stdout
     subprocess.run(['tar', '-x', '-C', str(tree)], input=files, check=True)
-    result = subprocess.run([sys.executable, os.path.abspath(__file__)], cwd=tree, text=True,
-                            input=json.dumps(runs), capture_output=True, timeout=HANG,
-                            env=dict(os.environ, OMP_NUM_THREADS='1'))
+    (tree / 'runs.json').write_text(json.dumps(runs))
+    result = python(os.path.abspath(__file__), 'runs.json', cwd=tree)
     assert result.returncode == 0, result.stderr
     return [f"{line} (at {commit}): {said}" for (*_, line), said in
             zip(runs, json.loads(result.stdout)) if said]
 
 
-if __name__ == '__main__':  # checked_at's python: the commands on stdin, in this tree
+if __name__ == '__main__':  # checked_at's python: the commands in a file, in this tree
     tree = os.getcwd()
     sys.path.insert(0, tree)
     said = []
     with contextlib.redirect_stdout(sys.stderr):  # stdout: the answers alone
-        for folder, script, args, _ in json.load(sys.stdin):
+        for folder, script, args, _ in json.load(open(sys.argv[1])):
             os.chdir(os.path.join(tree, folder))
             said.append(f"{script}: no such file" if not os.path.isfile(script) else
                         settings_check(script, args) if script in CHECKED else

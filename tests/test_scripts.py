@@ -839,9 +839,13 @@ def test_the_gpu_script_runs_every_part_on_the_cpu_with_tiny_sizes(prepared, tmp
     # the parts' limits out of reach (x1000: hours), so that a busy machine cannot fail a part
     # (the compiled MoE layers took half their --cpu limit at a load of 10 on 2 cores); the limits
     # themselves are tested with commands that sleep (the next test)
+    # the compile cache the suite's other tests use, given to gpu.sh (a run's own, cold, took 183
+    # CPU seconds here, this one 117 once warm; that gpu.sh takes it: the test above)
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
     result = subprocess.run(['bash', os.path.join(REPO, 'experiments', 'gpu.sh'), 'gpu', '--cpu'],
                             cwd=tmp_path, env=dict(OFFLINE_ENV, GPU_SH_SCALE='1000', PATH=(
-                                f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}")),
+                                f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}"),
+                                TORCHINDUCTOR_CACHE_DIR=cache_dir()),
                             capture_output=True, text=True, timeout=4 * HANG)  # a hang
     assert result.returncode == 0 and 'total: ' in result.stdout, result.stderr
     out = tmp_path / 'gpu'
@@ -907,14 +911,26 @@ def test_the_gpu_script_gives_bench_only_settings_bench_accepts_on_a_gpu(tmp_pat
     from configurator import configure
     calls, fake = tmp_path / 'calls', tmp_path / 'bin' / 'python'
     fake.parent.mkdir()
-    fake.write_text(f"#!{sys.executable}\nimport json, sys\n"
-                    f"open({str(calls)!r}, 'a').write(json.dumps(sys.argv[1:]) + '\\n')\n")
+    fake.write_text(f"#!{sys.executable}\nimport json, os, sys\n"
+                    f"open({str(calls)!r}, 'a').write(json.dumps([os.environ.get("
+                    f"'TORCHINDUCTOR_CACHE_DIR'), *sys.argv[1:]]) + '\\n')\n")
     fake.chmod(0o755)
-    result = subprocess.run(['bash', os.path.join(REPO, 'experiments', 'gpu.sh'), 'out'],
-                            cwd=tmp_path, capture_output=True, text=True, timeout=HANG,
-                            env=dict(OFFLINE_ENV, PATH=f"{fake.parent}:{os.environ['PATH']}"))
-    assert result.returncode == 0, result.stderr
-    runs = [json.loads(line) for line in calls.read_text().splitlines()]
+    env = {k: v for k, v in OFFLINE_ENV.items() if k != 'TORCHINDUCTOR_CACHE_DIR'}
+    caches = []
+    for given in ({}, {}, {'TORCHINDUCTOR_CACHE_DIR': str(tmp_path / 'cache')}):
+        calls.unlink(missing_ok=True)
+        result = subprocess.run(['bash', os.path.join(REPO, 'experiments', 'gpu.sh'), 'out'],
+                                cwd=tmp_path, capture_output=True, text=True, timeout=HANG,
+                                env=dict(env, **given,
+                                         PATH=f"{fake.parent}:{os.environ['PATH']}"))
+        assert result.returncode == 0, result.stderr
+        runs = [json.loads(line) for line in calls.read_text().splitlines()]
+        caches.append({cache for cache, *_ in runs})
+        runs = [args for _, *args in runs]
+    # a compile cache of each run's own (a part killed mid-compile leaves no broken entry for the
+    # next run), shared by its parts; the one TORCHINDUCTOR_CACHE_DIR names, if it names one
+    assert all(len(cache) == 1 and None not in cache for cache in caches)
+    assert caches[0] != caches[1] and caches[2] == {str(tmp_path / 'cache')}
     parts = [args[1:] for args in runs if args[0].endswith('bench.py')]
     assert len(parts) == 6 and all('--device=cuda' in args for args in parts)
     for args in parts:
