@@ -88,6 +88,9 @@ class ForkedRun(FORKS.Process):
         super().__init__(target=python_in_fork, args=(cmd[1:], os.getcwd(), dict(os.environ),
                                                       stdout.name, stdout.name, os.setsid))
         self.start()
+        # its exit status read by wait() alone: Process.start() in another of the sweep's threads
+        # reads every child's from the forkserver's pipe first, and then join() here says 255
+        multiprocessing.process._children.discard(self)
 
     def wait(self):
         self.join()

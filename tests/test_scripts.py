@@ -904,6 +904,32 @@ def test_a_script_run_by_conftest_ends_and_prints_as_python_runs_it(tmp_path):
     assert [fresh.returncode, forked.returncode] == [0, 0]
 
 
+def test_runs_forked_from_a_sweep_s_threads_each_end_with_their_own_exit_status(tmp_path):
+    # sweep.py starts and waits for its runs from a thread a job: a Process.start() in one thread
+    # (its cleanup, as active_children()'s) read another's ForkedRun's exit status from the
+    # forkserver's pipe first, and that run's wait() then said 255 (a sweep's run "failed")
+    import multiprocessing
+    import threading
+    import time
+
+    from forked import ForkedRun
+    script = tmp_path / 'ends.py'
+    script.write_text("import sys\nsys.exit(int(sys.argv[1]))\n")
+    assert run(str(script), '0', cwd=tmp_path).returncode == 0  # the forkserver, as for any run
+    done = threading.Event()
+    other = threading.Thread(target=lambda: [(multiprocessing.active_children(), time.sleep(0))
+                                             for _ in iter(done.is_set, True)])
+    other.start()
+    try:
+        with open(tmp_path / 'out', 'w') as out:
+            codes = [ForkedRun([sys.executable, str(script), str(code)], out, subprocess.STDOUT,
+                               True).wait() for code in (0, 3) * 4]
+    finally:
+        done.set()
+        other.join()
+    assert codes == [0, 3] * 4
+
+
 def test_the_gpu_script_gives_bench_only_settings_bench_accepts_on_a_gpu(tmp_path):
     # its GPU branch runs on a GPU alone: there bench refused the gpu-train and gpu-moe parts'
     # decoding sizes at once. A stand-in python records each command; bench's checks read them
