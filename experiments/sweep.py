@@ -206,7 +206,7 @@ class Job:
             return json.loads(log[-1])['event']
 
     def requeue(self):
-        """In a SLURM job whose train.py saved and stopped on a signal the sweep did not send:
+        """In a SLURM job whose train.py the cluster's SIGTERM stopped (or killed as it started):
         back in the queue, to resume the run (its time-outs counted as before). A job cancelled
         (by the sweep too) stays so: it ends with no result."""
         import submitit
@@ -214,9 +214,7 @@ class Job:
         delayed = submitit.helpers.DelayedSubmission.load(env.paths.submitted_pickle)
         delayed.function = Job(self.cmd, self.folder, False)  # resumes, even a fresh run
         delayed.dump(env.paths.submitted_pickle)
-        state = subprocess.run(['sacct', '-X', '-n', '-o', 'State', '-j', env.job_id],
-                               capture_output=True, text=True, start_new_session=True).stdout
-        if 'CANCELLED' not in state:  # scontrol would requeue a cancelled job too
+        if slurm_state(env.job_id) != 'CANCELLED':  # scontrol would requeue a cancelled job too
             subprocess.run(['scontrol', 'requeue', env.job_id],  # refused if requeued already;
                            start_new_session=True)  # the requeue's SIGTERM must not stop it
         sys.exit(-1)  # not an Exception: submitit writes no result, its job is not done
@@ -235,6 +233,11 @@ class Job:
         if self.last_event() == 'done':  # the warning came as it finished: not requeued
             return None
         return submitit.helpers.DelayedSubmission(Job(self.cmd, self.folder, False))
+
+
+def slurm_state(job_id):  # sacct's word for the job ('CANCELLED', 'RUNNING'...), '' if unknown
+    return ''.join(subprocess.run(['sacct', '-X', '-n', '-o', 'State', '-j', job_id], text=True,
+                                  capture_output=True, start_new_session=True).stdout.split()[:1])
 
 
 def job_left(folder, executor, again):
@@ -263,9 +266,7 @@ def job_result(job):
         error = job.exception()
         if error is None:
             return job.result()
-        state = subprocess.run(['sacct', '-X', '-n', '-o', 'State', '-j', job.job_id],
-                               capture_output=True, text=True).stdout.split()
-        if state[:1] not in (['PENDING'], ['REQUEUED'], ['REQUEUE_HOLD']):
+        if slurm_state(job.job_id) not in ('PENDING', 'REQUEUED', 'REQUEUE_HOLD'):
             return error
         with contextlib.suppress(FileNotFoundError):
             os.remove(job.paths.result_pickle)
