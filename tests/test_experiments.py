@@ -631,6 +631,7 @@ def test_a_sweep_reuses_a_run_only_if_it_was_made_with_the_settings_it_would_giv
 
 def test_a_second_sweep_into_a_live_sweep_s_out_dir_is_refused_and_the_first_finishes_whole(
         workdir):
+    import signal
     import subprocess
     import sys
     import time
@@ -644,7 +645,11 @@ def test_a_second_sweep_into_a_live_sweep_s_out_dir_is_refused_and_the_first_fin
     lock = workdir / 'locked' / 'sweep.lock'
     while not (lock.exists() and lock.read_text()) and time.time() < deadline:
         time.sleep(0.1)
-    line = one_error_line(run('experiments/sweep.py', *args, cwd=workdir))
+    os.kill(first.pid, signal.SIGSTOP)  # live, its lock held, however fast its runs end
+    try:
+        line = one_error_line(run('experiments/sweep.py', *args, cwd=workdir))
+    finally:
+        os.kill(first.pid, signal.SIGCONT)
     assert line.startswith(
         f"error: --out_dir=locked is in use by a live sweep (pid {first.pid} on host ")
     out, err = first.communicate(timeout=HANG)
